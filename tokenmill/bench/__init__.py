@@ -1,0 +1,1 @@
+"""Benchmarks: ShareGPT dataset, offline throughput vs HF transformers."""

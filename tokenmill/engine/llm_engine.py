@@ -1,0 +1,209 @@
+"""The synchronous engine core: add_request / step / abort_request.
+
+One `step()` = schedule -> one forward pass over the flat batch -> sample -> detokenize ->
+stop checks -> free the blocks of whatever finished. Callers (the offline `LLM`, the async
+server loop) drive it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.detokenizer import OutputText
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.hub import resolve_model
+from tokenmill.model.loader import load_model_weights, load_tokenizer
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.sequence import Sequence
+
+log = logging.getLogger("tokenmill")
+
+
+@dataclass(slots=True)
+class Request:
+    """A client request: n parallel sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    texts: list[OutputText]
+    arrival_time: float
+    emitted_tokens: list[int] = field(default_factory=list)   # per seq, tokens already reported
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        t0 = time.perf_counter()
+        path = resolve_model(config.model)
+        model_cfg, weights = load_model_weights(path, self.dtype)
+        self.tokenizer = load_tokenizer(path if config.tokenizer is None else resolve_model(config.tokenizer))
+        self.model_config = model_cfg
+        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len)
+        del weights
+        num_blocks = self.runner.num_blocks
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(f"KV cache holds {num_blocks * config.block_size} tokens, fewer than "
+                             f"max_model_len={self.max_model_len}; raise kv_cache_memory or lower max_model_len")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            2048 if config.enable_chunked_prefill else max(self.max_model_len, 2048))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.scheduling_policy)
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids=self.eos_token_ids, seed=config.seed)
+        self.requests: dict[str, Request] = {}
+        self._seq_to_request: dict[int, Request] = {}
+        log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache %d blocks x %d tokens = %d tokens "
+                 "(max %.1f concurrent requests at max_model_len=%d)", config.model, model_cfg.architecture,
+                 self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0, num_blocks,
+                 config.block_size, num_blocks * config.block_size,
+                 num_blocks * config.block_size / self.max_model_len, self.max_model_len)
+
+    def _eos_ids(self) -> list[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Queue a request. Raises ValueError for a prompt the engine cannot serve."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model's maximum context length is "
+                             f"{self.max_model_len} tokens and at least 1 must be left for output")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(f"{request_id}-{i}", ids, params, arrival_time=arrival, priority=priority,
+                           cache_salt=cache_salt)
+            if params.seed is not None and i:
+                seq.generator = torch.Generator().manual_seed(params.seed + i)
+            seqs.append(seq)
+        req = Request(request_id, text, ids, params, seqs,
+                      [OutputText(self.tokenizer, ids, params) for _ in seqs], arrival, [0] * len(seqs))
+        self.requests[request_id] = req
+        for seq in seqs:
+            self._seq_to_request[seq.seq_id] = req
+            self.scheduler.add(seq)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+            self._seq_to_request.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.monotonic()
+        for seq, _ in sched.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        logits = self.runner.execute(sched.scheduled)
+        sampling: list[Sequence] = []
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        touched: dict[str, Request] = {}
+        if sampling:
+            result = self.sampler(logits, sampling)
+            for i, seq in enumerate(sampling):
+                req = self._seq_to_request[seq.seq_id]
+                seq.append_token(result.token_ids[i])
+                if result.logprobs[i] is not None:
+                    seq.logprobs.append(result.logprobs[i])
+                self._check_stop(req, seq)
+                touched[req.request_id] = req
+        return [self._make_output(req) for req in touched.values()]
+
+    def _check_stop(self, req: Request, seq: Sequence) -> None:
+        p = seq.params
+        token = seq.token_ids[-1]
+        text = req.texts[req.seqs.index(seq)]
+        stop_str = text.append(token)
+        reason: str | None = None
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason, seq.stop_reason = "stop", None
+            elif token in p.stop_token_ids:
+                reason, seq.stop_reason = "stop", token
+            elif stop_str is not None:
+                reason, seq.stop_reason = "stop", stop_str
+        if reason is None and (seq.num_output_tokens >= (p.max_tokens or self.max_model_len)
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for i, (seq, text) in enumerate(zip(req.seqs, req.texts)):
+            new_tokens = seq.num_output_tokens - req.emitted_tokens[i]
+            req.emitted_tokens[i] = seq.num_output_tokens
+            outs.append(CompletionOutput(
+                index=i, text=text.text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                delta_text=text.take_delta(seq.is_finished), num_delta_tokens=new_tokens))
+        finished = req.finished
+        first = req.seqs[0]
+        if finished:
+            req.finished_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            for seq in req.seqs:
+                self._seq_to_request.pop(seq.seq_id, None)
+        metrics = RequestMetrics(req.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 first.last_token_time, req.finished_time, first.num_cached_tokens,
+                                 sum(s.num_preemptions for s in req.seqs))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics,
+                             first.num_cached_tokens)

@@ -1,0 +1,105 @@
+"""Owns the model and the KV cache; turns a scheduler decision into one flat batch and logits."""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.model.attention import AttentionMetadata, PrefillSpan
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.sequence import Sequence
+
+log = logging.getLogger("tokenmill")
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+        self.device, self.dtype = device, dtype
+        self.block_size = config.block_size
+        self.model_cfg = model_cfg
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_cfg, max_model_len)
+        model = model.to_empty(device=device).to(dtype)
+        if model_cfg.tie_word_embeddings:      # to_empty() materializes tied tensors separately
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rope = type(model.rope)(model_cfg.head_dim, max_model_len, model_cfg.rope_theta).to(device)
+        model.load_hf_state_dict(weights)
+        self.model = model.eval()
+        self.num_blocks = self._num_kv_blocks(config)
+        shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(model_cfg.num_layers)]
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        per_block = kv_bytes_per_token(self.model_cfg, self.dtype) * self.block_size
+        budget = config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                budget = int(total * config.gpu_memory_utilization) - used - (1 << 30)  # activations
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks; need >= 2")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run one forward pass over all scheduled tokens. Returns logits [S, V] for the
+        sequences whose scheduled tokens reach their end (they sample), in scheduled order."""
+        bs = self.block_size
+        # decode rows (one query token) go first so they share one batched attention call
+        order = sorted(scheduled, key=lambda item: item[1] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: dict[int, int] = {}
+        for seq, n in order:
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            row = len(input_ids) - 1
+            if n == 1:
+                decode_tables.append(table[: math.ceil(end / bs)])
+                decode_lens.append(end)
+            else:
+                bt = None if start == 0 else torch.tensor(table[: math.ceil(end / bs)], device=self.device)
+                prefills.append(PrefillSpan(row - n + 1, row + 1, end, bt))
+            if end == seq.num_tokens:
+                sample_rows[seq.seq_id] = row
+        dev = self.device
+        nd = len(decode_tables)
+        decode_bt = decode_mask = None
+        if nd:
+            width = max(len(t) for t in decode_tables)
+            decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None]).view(nd, 1, 1, -1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decode_tokens=nd,
+            decode_block_tables=decode_bt,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                            self.kv_caches, meta)
+        rows = [sample_rows[seq.seq_id] for seq, _ in scheduled if seq.seq_id in sample_rows]
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=dev, dtype=torch.long)])

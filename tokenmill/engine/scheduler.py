@@ -1,0 +1,112 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step fills a token budget: running sequences first (one decode token each, or the next
+chunk of an unfinished prefill), then waiting sequences in policy order. A sequence is
+scheduled for `num_tokens - num_computed_tokens` tokens, capped by the budget when chunked
+prefill is on. When the KV cache runs out, the lowest-priority, latest-arrived running
+sequence is preempted: its blocks are freed and it is requeued to be recomputed (the prefix
+cache usually makes that cheap). Nothing is dropped: a preempted sequence keeps its tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)   # (seq, num new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.policy = policy
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def _key(self, seq: Sequence) -> tuple:
+        """Sort key: smaller runs sooner. FCFS ignores priority."""
+        if self.policy == "priority":
+            return (seq.priority, seq.arrival_time, seq.seq_id)
+        return (seq.arrival_time, seq.seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.waiting.sort(key=self._key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=self._key)
+        scheduled: set[int] = set()
+        # 1. running sequences, most important first; preempt from the back when memory is short
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget and not self.chunked:
+                continue
+            n = min(n, budget)
+            while not self.bm.grow(seq, n):
+                victim = max((s for s in self.running if s.seq_id not in scheduled), key=self._key)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                out.scheduled.append((seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
+        # 2. waiting sequences, while memory, budget and seat limits allow (not after a
+        #    preemption: that would just thrash)
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.bm.find_cached_prefix(seq)
+            n = seq.num_tokens - len(cached) * self.bm.block_size
+            if n > budget and not self.chunked:
+                break
+            n = min(n, budget)
+            if not self.bm.admit(seq, cached, n):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out

@@ -1,0 +1,49 @@
+"""EngineConfig <-> command-line flags, one flag per field, vLLM's names (`--max-model-len`)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+
+from tokenmill.config import EngineConfig
+
+_HELP = {
+    "model": "model name (see `tokenmill fetch --list`), a .gguf file or an HF directory",
+    "dtype": "auto (bfloat16) | float32 | bfloat16 | float16",
+    "kv_cache_memory": "bytes for the KV cache (CPU default 2 GiB); accepts suffixes like 4G",
+    "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache (CUDA only)",
+    "block_size": "tokens per KV-cache block",
+    "scheduling_policy": "fcfs | priority",
+    "num_threads": "CPU threads for torch (default: all cores)",
+}
+
+
+def parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        help_ = _HELP.get(f.name, "") + f" (default: {default})"
+        if f.name == "model" and positional_model:
+            parser.add_argument("model", nargs="?", default=default, help=help_)
+            parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        elif f.name == "kv_cache_memory":
+            parser.add_argument(flag, type=parse_bytes, default=default, help=help_)
+        else:
+            kind = {int: int, float: float}.get(type(default), str)
+            if f.name in ("max_model_len", "max_num_batched_tokens", "num_threads"):
+                kind = int
+            parser.add_argument(flag, type=kind, default=default, help=help_)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    if getattr(args, "model_flag", None):
+        values["model"] = args.model_flag
+    return EngineConfig(**values)

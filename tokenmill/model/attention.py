@@ -1,0 +1,83 @@
+"""Paged attention in plain torch: write new K/V into cache slots, read past K/V by block table.
+
+The flat batch holds all decode tokens first (one per sequence), then the prefill chunks.
+Decode rows are served by ONE batched SDPA call over K/V gathered block-wise and padded to the
+longest context; each prefill chunk gets its own SDPA call (few per step, many tokens each).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """Query tokens [start, end) of one sequence whose context has `context_len` tokens
+    (the cached prefix plus this chunk). `block_table` is None when the chunk is the whole
+    context, so the fresh K/V can be used without reading the cache back."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                 # [T] cache slot of every token (block * bs + offset)
+    num_decode_tokens: int                     # decode rows are tokens [0, num_decode_tokens)
+    decode_block_tables: torch.Tensor | None   # [D, max_blocks] padded with block 0
+    decode_mask: torch.Tensor | None           # [D, 1, 1, max_blocks * bs] True = attend
+    prefills: list[PrefillSpan]
+
+
+def paged_attention(
+    q: torch.Tensor,          # [T, Hq, D]
+    k: torch.Tensor,          # [T, Hk, D]
+    v: torch.Tensor,          # [T, Hk, D]
+    k_cache: torch.Tensor,    # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    nd = meta.num_decode_tokens
+    if nd:
+        # Fold the query heads of one KV group into the query-length axis: [D, Hk, G, D]
+        # against K [D, Hk, L, D] is exact GQA without repeating K/V.
+        bt = meta.decode_block_tables
+        kd = k_cache[bt].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache[bt].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype),
+                                            attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    for span in meta.prefills:
+        n = span.end - span.start
+        qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)            # [1, Hq, n, D]
+        if span.block_table is None:
+            ks, vs = k[span.start:span.end], v[span.start:span.end]
+            mask, causal = None, True
+        else:
+            ks = k_cache[span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
+            vs = v_cache[span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
+            # query i sits at position context_len - n + i and sees keys up to there
+            qpos = torch.arange(span.context_len - n, span.context_len, device=q.device)
+            mask = torch.arange(span.context_len, device=q.device)[None, :] <= qpos[:, None]
+            causal = False
+        ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                             scale=scale, enable_gqa=group > 1)
+        out[span.start:span.end] = os_.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,180 @@
+"""GGUF and HF-safetensors checkpoints -> (ModelConfig, HF-named dense tensors).
+
+Everything downstream speaks HF names and HF layouts, so GGUF is translated here once:
+names are mapped, quantized blocks are dequantized (gguf's numpy kernels), and llama.cpp's
+Q/K row permutation is undone. Tensors are converted one at a time so peak memory is about
+the output state dict plus one fp32 tensor.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig
+
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    if m := _BLOCK_RE.match(name):
+        layer, part, kind = m.groups()
+        if part in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    else:
+        base, _, kind = name.rpartition(".")
+        if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
+            return f"{_GLOBAL_NAMES[base]}.{kind}"
+    # e.g. rope_freqs (Llama 3 rope scaling) would change the math: refuse rather than ignore.
+    raise ValueError(f"GGUF tensor {name!r} has no HF equivalent that tokenmill supports")
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of convert_hf_to_gguf's `permute` (rows of each head: interleaved -> halves).
+
+    llama.cpp stores rotary pairs interleaved (GPT-J style); HF rotates the two halves of
+    each head (NeoX style). Works on weights [rows, cols] and biases [rows].
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f32(x: float) -> float:
+    """GGUF stores float32: 1e-5 reads back as 9.9999997e-06. Round to the shortest repr."""
+    return float(str(np.float32(x)))
+
+
+def _meta(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: Any) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.*` keys) and the tensor list."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def a(key: str, default: Any = None) -> Any:
+        return _meta(reader, f"{arch}.{key}", default)
+
+    hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
+    head_dim = a("attention.key_length") or a("rope.dimension_count") or hidden // heads
+    # GGUF shapes are innermost-first: token_embd is [hidden, vocab].
+    vocab = int(tensors["token_embd.weight"].shape[1])
+    eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(a("feed_forward_length")),
+        num_layers=int(a("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(a("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=_f32(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(a("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(a("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)  # memory-mapped: only one tensor is materialised at a time
+    cfg = gguf_config(reader)
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        # A plain ndarray view skips np.memmap's per-slice overhead: dequantize is ~2x faster.
+        arr = dequantize(t.data.view(np.ndarray), t.tensor_type).reshape(shape)
+        if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap
+            arr = arr.copy()
+        w = torch.from_numpy(arr)
+        if cfg.architecture == "llama":  # qwen2 conversion does not permute
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = unpermute_qk(w, cfg.num_heads)
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = unpermute_qk(w, cfg.num_kv_heads)
+        weights[name] = w.to(dtype).contiguous()
+    return cfg, weights
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, w in load_file(f).items():
+            weights[name] = w.to(dtype)
+    return cfg, weights
+
+
+def load_model_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a .gguf file or an HF directory into (config, HF-named tensors of `dtype`).
+
+    With tied embeddings there is no `lm_head.weight`: the model reuses `model.embed_tokens`.
+    """
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    if path.is_dir() and (path / "config.json").is_file():
+        cfg, weights = _load_hf_dir(path, dtype)
+        if cfg.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return cfg, weights
+    raise ValueError(f"{path} is neither a .gguf file nor a directory with config.json")
+
+
+def load_tokenizer(path: Path) -> Any:
+    """HF tokenizer for a .gguf file (built from its metadata) or an HF directory."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if getattr(tok, "chat_template", None) is None:
+            # Older transformers did not carry the template over from the GGUF metadata.
+            from gguf import GGUFReader
+
+            template = _meta(GGUFReader(path), "tokenizer.chat_template")
+            if template:
+                tok.chat_template = template
+        return tok
+    return AutoTokenizer.from_pretrained(path)
