@@ -1,8 +1,10 @@
 """Paged attention in plain torch: write new K/V into cache slots, read past K/V by block table.
 
 The flat batch holds all decode tokens first (one per sequence), then the prefill chunks.
-Decode rows are served by ONE batched SDPA call over K/V gathered block-wise and padded to the
-longest context; each prefill chunk gets its own SDPA call (few per step, many tokens each).
+On CPU, decode rows go through a C++ kernel that reads K/V straight from the blocks
+(`csrc/paged_decode_attention.cpp`); elsewhere, or without a compiler, through ONE batched SDPA
+call over K/V gathered block-wise and padded to the longest context. Each prefill chunk gets
+its own SDPA call (few per step, many tokens each).
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.model.cpu_kernels import paged_decode_kernels
 
 
 @dataclass(slots=True)
@@ -28,8 +32,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor                 # [T] cache slot of every token (block * bs + offset)
     num_decode_tokens: int                     # decode rows are tokens [0, num_decode_tokens)
-    decode_block_tables: torch.Tensor | None   # [D, max_blocks] padded with block 0
-    decode_mask: torch.Tensor | None           # [D, 1, 1, max_blocks * bs] True = attend
+    decode_block_tables: torch.Tensor | None   # [D, max_blocks] int32, padded with block 0
+    decode_context_lens: torch.Tensor | None   # [D] int32
     prefills: list[PrefillSpan]
 
 
@@ -52,15 +56,20 @@ def paged_attention(
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and q.device.type == "cpu" and (kernels := paged_decode_kernels()) is not None:
+        out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, scale)
+    elif nd:
         # Fold the query heads of one KV group into the query-length axis: [D, Hk, G, D]
         # against K [D, Hk, L, D] is exact GQA without repeating K/V.
         bt = meta.decode_block_tables
+        width = bt.shape[1] * block_size
+        mask = (torch.arange(width, device=q.device)[None, :] < meta.decode_context_lens[:, None]).view(nd, 1, 1, -1)
         kd = k_cache[bt].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache[bt].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
         od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype),
-                                            attn_mask=meta.decode_mask, scale=scale)
+                                            attn_mask=mask, scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
     for span in meta.prefills:
         n = span.end - span.start
