@@ -29,7 +29,7 @@ STARTUP_TIMEOUT_S = float(os.environ.get("TOKENMILL_TEST_STARTUP_TIMEOUT", "300"
 API_KEY = "test-key-123"
 CONFIGS = {
     "main": [],
-    "guarded": ["--api-key", API_KEY, "--max-num-seqs", "2", "--max-queue-len", "2", "--max-model-len", "512",
+    "guarded": ["--api-key", API_KEY, "--max-num-seqs", "2", "--max-queue-len", "2", "--max-model-len", "128",
                 "--shutdown-timeout", "60"],
 }
 BASE_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "256M", "--dtype", "bfloat16",
@@ -79,11 +79,13 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
         """Sum of a metric's samples (e.g. 'tokenmill:num_requests_running') from /metrics."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
         if not values:
+            if default is not None:
+                return default
             raise KeyError(name)
         return sum(values)
 
@@ -126,3 +128,5 @@ def get_server(name: str) -> ServerProcess:
 def stop_all() -> None:
     for srv in _servers.values():
         srv.stop()
+        if srv.log_path is not None and not os.environ.get("TOKENMILL_KEEP_SERVER_LOGS"):
+            srv.log_path.unlink(missing_ok=True)

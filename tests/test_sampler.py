@@ -224,3 +224,24 @@ def test_top_p_nucleus_larger_than_first_candidate_batch():
     ids = Sampler(Vb, seed=4)(logits.expand(n, Vb).clone(), seqs).token_ids
     assert max(ids[0::2]) < m and max(ids[0::2]) > m - 30
     assert set(ids[1::2]) == set(range(10))
+
+
+def test_inverse_cdf_never_picks_zero_weight():
+    from tokenmill.engine.sampler import _inverse_cdf
+    w = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]] * 5)
+    u = torch.tensor([0.0, 0.49, 0.5, 0.999999, 1.0])   # 1.0: what u * total can round up to
+    assert _inverse_cdf(w, u).tolist() == [1, 1, 3, 3, 3]
+
+
+def test_nan_logits_still_yield_a_valid_token_id():
+    sampler = Sampler(vocab_size=8, seed=0)
+    logits = torch.full((2, 8), float("nan"))
+    out = sampler(logits, [seq(temperature=1.0), seq(temperature=0.5, top_p=0.9)])
+    assert all(0 <= t < 8 for t in out.token_ids)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=float("inf")), dict(top_p=float("nan")),
+                                dict(repetition_penalty=5e-324), dict(presence_penalty=float("nan"))])
+def test_non_finite_or_degenerate_params_rejected(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)

@@ -1,6 +1,7 @@
 """Per-request sampling parameters (vLLM names and semantics)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -50,6 +51,9 @@ class SamplingParams:
             if not cond:
                 raise ValueError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -64,7 +68,8 @@ class SamplingParams:
               "min_tokens must be <= max_tokens")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
               f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(0.01 <= self.repetition_penalty <= 100,
+              f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty strings")

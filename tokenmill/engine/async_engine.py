@@ -69,8 +69,7 @@ class RequestStream:
     request_id: str
     _engine: "AsyncLLMEngine"
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False      # final output or error delivered (set on the loop thread)
-    started: bool = False       # first output delivered
+    finished: bool = False      # final output or error delivered, or aborted (loop thread)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -90,7 +89,6 @@ class RequestStream:
     def _put(self, item: RequestOutput | BaseException) -> None:
         if self.finished:
             return
-        self.started = True
         if isinstance(item, BaseException) or item.finished:
             self.finished = True
         self._queue.put_nowait(item)

@@ -86,17 +86,16 @@ class ModelRunner:
                 sample_rows[seq.seq_id] = row
         dev = self.device
         nd = len(decode_tables)
-        decode_bt = decode_mask = None
+        decode_bt = decode_lens_t = None
         if nd:
             width = max(len(t) for t in decode_tables)
-            decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None]).view(nd, 1, 1, -1)
+            decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32, device=dev)
+            decode_lens_t = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             num_decode_tokens=nd,
             decode_block_tables=decode_bt,
-            decode_mask=decode_mask,
+            decode_context_lens=decode_lens_t,
             prefills=prefills,
         )
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),

@@ -52,7 +52,7 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_id
         # duplicates are harmless: each copy computes the same value from the original logit
         pen = repetition[seen // V]
         vals = flat[seen]
-        flat[seen] = torch.where(vals > 0, vals * pen, vals / pen)
+        flat[seen] = torch.where(vals > 0, vals / pen, vals * pen)
     if out_idx.numel():
         rows = out_idx // V
         flat.index_add_(0, out_idx, -frequency[rows])            # once per occurrence: count * f
@@ -75,7 +75,8 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = torch.searchsorted(cum, u[:, None] * total, right=True)
     # u * total can round up to total: fall back to the last token with nonzero weight
     last = torch.searchsorted(cum, total, right=False)
-    return torch.minimum(idx, last)[:, 0]
+    # NaN weights (degenerate parameters) must still yield a valid token id, never V
+    return torch.minimum(idx, last).clamp_(max=weights.shape[-1] - 1)[:, 0]
 
 
 class Sampler:

@@ -66,6 +66,10 @@ class Generation:
     def start(cls, engine: AsyncLLMEngine, request_id: str, inputs: list[EngineInput],
               arrival_time: float | None = None) -> "Generation":
         """Submit every prompt; all or nothing (a full queue aborts those already queued)."""
+        limit = engine.max_queue_len
+        if limit is not None and len(inputs) > limit:     # could never fit: retrying would not help
+            raise OpenAIError(400, f"{len(inputs)} prompts in one request exceed this server's queue "
+                                   f"limit of {limit}", "prompt")
         gen = cls(engine, inputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:

@@ -39,7 +39,7 @@ def _bad(message: str, param: str | None = None) -> OpenAIError:
 
 
 def _max_tokens(requested: int | None, default: int | None, prompt_len: int, limits: ModelLimits,
-                prompt_param: str) -> int:
+                prompt_param: str, budget_param: str = "max_tokens") -> int:
     """Output budget. An explicit max_tokens that does not fit the context is an error (as in
     vLLM and OpenAI); an implicit default is clamped to what is left."""
     room = limits.max_model_len - prompt_len
@@ -51,7 +51,7 @@ def _max_tokens(requested: int | None, default: int | None, prompt_len: int, lim
     if requested > room:
         raise _bad(f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
                    f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
-                   f"the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+                   f"the completion). Please reduce the prompt or {budget_param}.", budget_param)
     return requested
 
 
@@ -106,6 +106,8 @@ def completion_inputs(req: CompletionRequest, tokenizer: Any, limits: ModelLimit
         raise _bad("suffix is not supported", "suffix")
     if req.best_of not in (None, req.n):
         raise _bad("best_of other than n is not supported", "best_of")
+    if req.n > limits.max_n:
+        raise _bad(f"n must be at most {limits.max_n} on this server, got {req.n}", "n")
     p = req.prompt
     prompts: list[str | list[int]]
     if isinstance(p, str):
@@ -165,8 +167,9 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) 
         raise _bad(f"could not apply the chat template: {exc}", "messages") from exc
     ids = list(ids)
     _check_ids(ids, limits, "messages")
+    budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _max_tokens(requested, None, len(ids), limits, "messages")
+    max_tokens = _max_tokens(requested, None, len(ids), limits, "messages", budget_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens, logprobs, limits)
     return EngineInput(ids, None, params, req.priority, req.cache_salt)

@@ -49,7 +49,8 @@ class SamplingFields(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # > 0 in vLLM; the floor keeps logits / penalty finite in float32 (1e-300 would overflow to inf)
+    repetition_penalty: float | None = Field(None, ge=1e-6, le=100.0)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
