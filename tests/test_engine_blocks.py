@@ -21,11 +21,14 @@ def test_random_workload_with_aborts_returns_every_block(tiny_dir):
     rng = random.Random(0)
     live: list[str] = []
     finished = 0
+    prefixes = [[rng.randrange(3, 300) for _ in range(rng.randint(4, 30))] for _ in range(3)]
     for i in range(220):
-        n = rng.randint(1, 60)
-        engine.add_request(str(i), [rng.randrange(3, 300) for _ in range(n)],
+        n = rng.randint(1, 30)
+        head = rng.choice(prefixes + [[]])          # shared prefixes exercise the prefix cache
+        engine.add_request(str(i), head + [rng.randrange(3, 300) for _ in range(n)],
                            SamplingParams(temperature=rng.choice([0, 1.0]), max_tokens=rng.randint(1, 30),
-                                          ignore_eos=True, seed=i))
+                                          ignore_eos=True, seed=i),
+                           cache_salt=rng.choice([None, None, "s1"]))
         live.append(str(i))
         for _ in range(rng.randint(0, 3)):
             for out in engine.step():
@@ -43,8 +46,33 @@ def test_random_workload_with_aborts_returns_every_block(tiny_dir):
     assert finished > 100
     assert engine.scheduler.num_preemptions > 0
     bm = engine.block_manager
+    assert bm.prefix_hits > 0
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_priority_preempts_less_important_running_requests(tiny_dir):
+    llm = LLM(model=tiny_dir, dtype="float32", block_size=4, max_model_len=64, max_num_seqs=4,
+              kv_cache_memory=20 * 4 * 2 * 2 * 2 * 16 * 4, scheduling_policy="priority")
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(4):                                  # fill every seat and most blocks
+        engine.add_request(f"low{i}", list(range(3, 20)), params, priority=5)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("high", list(range(30, 50)), params, priority=-1)
+    engine.step()
+    running = {s.request_id for s in engine.scheduler.running}
+    assert "high-0" in running
+    assert engine.scheduler.num_preemptions >= 1
+    assert all(s.priority == 5 for s in engine.scheduler.waiting)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert len(done) == 5 and all(len(o.outputs[0].token_ids) == 40 for o in done.values())
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_outputs_identical_under_preemption_and_prefix_caching(tiny_dir):

@@ -5,7 +5,9 @@ import argparse
 import logging
 import sys
 
+from tokenmill.bench.args import add_bench_args
 from tokenmill.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.server.args import add_server_args
 
 
 def cmd_fetch(args: argparse.Namespace) -> None:
@@ -42,8 +44,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from tokenmill.bench.throughput import run_throughput_bench
-    run_throughput_bench(args)
+    if args.bench == "serve":
+        from tokenmill.bench.serve import run_serve_bench
+        run_serve_bench(args)
+    elif args.bench == "compare":
+        from tokenmill.bench.compare import run_compare
+        run_compare(args)
+    else:
+        from tokenmill.bench.throughput import run_throughput_bench
+        run_throughput_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,24 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     p.set_defaults(func=cmd_generate)
 
-    try:
-        from tokenmill.server.args import add_server_args
-    except ImportError:   # server not installed in this build
-        add_server_args = None
-    if add_server_args is not None:
-        p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-        add_engine_args(p, positional_model=True)
-        add_server_args(p)
-        p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p, positional_model=True)
+    add_server_args(p)
+    p.set_defaults(func=cmd_serve)
 
-    try:
-        from tokenmill.bench.args import add_bench_args
-    except ImportError:
-        add_bench_args = None
-    if add_bench_args is not None:
-        p = sub.add_parser("bench", help="benchmarks (throughput vs HF transformers)")
-        add_bench_args(p)
-        p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("bench", help="benchmarks (offline throughput vs HF transformers)")
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -71,11 +71,31 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)
 
+    def _make_room_for_priority(self, out: SchedulerOutput) -> None:
+        """Priority policy: while the most important waiting sequence cannot be admitted, and a
+        less important one runs, preempt the least important running sequence."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            worst = max(self.running, key=self._key)
+            if self._key(worst) <= self._key(head):
+                return
+            cached = self.bm.find_cached_prefix(head)
+            chunk = head.num_tokens - len(cached) * self.bm.block_size
+            if not self.chunked and chunk > self.max_num_batched_tokens:
+                return                                   # could never be admitted this way
+            chunk = min(chunk, self.max_num_batched_tokens)
+            if len(self.running) < self.max_num_seqs and self.bm.can_admit(head, cached, chunk):
+                return
+            self._preempt(worst, out)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.policy == "priority":
+            self._make_room_for_priority(out)
         self.running.sort(key=self._key)
         scheduled: set[int] = set()
+        memory_short = False
         # 1. running sequences, most important first; preempt from the back when memory is short
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
@@ -85,6 +105,7 @@ class Scheduler:
                 continue
             n = min(n, budget)
             while not self.bm.grow(seq, n):
+                memory_short = True
                 victim = max((s for s in self.running if s.seq_id not in scheduled), key=self._key)
                 self._preempt(victim, out)
                 if victim is seq:
@@ -93,9 +114,9 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= n
-        # 2. waiting sequences, while memory, budget and seat limits allow (not after a
-        #    preemption: that would just thrash)
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        # 2. waiting sequences, while memory, budget and seat limits allow (not when running
+        #    sequences just ran out of memory: admitting more would only thrash)
+        while self.waiting and not memory_short and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.bm.find_cached_prefix(seq)
             n = seq.num_tokens - len(cached) * self.bm.block_size
