@@ -13,10 +13,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 like the HF reference, so bf16 runs stay close to fp32 ones.
+        """Normalizes in fp32; returns the weight's dtype (the matmul dtype), whatever x's is."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * self.weight.float()).to(self.weight.dtype)
 
 
 class RotaryEmbedding(nn.Module):

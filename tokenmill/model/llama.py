@@ -54,8 +54,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x is the fp32 residual stream: SmolLM2's activations reach ~25,000, where bf16 keeps
+        only 2-3 significant digits, so a bf16 residual flips near-tied greedy choices."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta).float()
+        return x + self.mlp(self.post_attention_layernorm(x)).float()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -72,8 +74,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden]; call `compute_logits` on the rows to sample."""
-        x = self.embed_tokens(input_ids)
+        """Returns the final hidden states [T, hidden] in the model dtype; call `compute_logits`
+        on the rows that sample."""
+        x = self.embed_tokens(input_ids).float()
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv, meta)
         return self.norm(x)
