@@ -7,6 +7,9 @@ the output state dict plus one fp32 tensor.
 """
 from __future__ import annotations
 
+import os
+import shutil
+
 import json
 import re
 from pathlib import Path
@@ -168,6 +171,14 @@ def load_tokenizer(path: Path) -> Any:
 
     path = Path(path)
     if path.suffix == ".gguf":
+        # Building a fast tokenizer from GGUF metadata takes ~10 s; keep the result beside the
+        # other caches, keyed by the file's identity, so later starts load it in well under 1 s.
+        from tokenmill.hub import tokenmill_home
+
+        st = path.stat()
+        cache = tokenmill_home() / "tokenizers" / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+        if (cache / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(cache)
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         if getattr(tok, "chat_template", None) is None:
             # Older transformers did not carry the template over from the GGUF metadata.
@@ -176,5 +187,8 @@ def load_tokenizer(path: Path) -> Any:
             template = _meta(GGUFReader(path), "tokenizer.chat_template")
             if template:
                 tok.chat_template = template
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cache) if not cache.exists() else shutil.rmtree(tmp, ignore_errors=True)
         return tok
     return AutoTokenizer.from_pretrained(path)
