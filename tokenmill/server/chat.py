@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenmill.server.completions import CLIENT_CLOSED
 from tokenmill.server.errors import error_body
-from tokenmill.server.generation import ClientGone, Generation, engine_error, unless_disconnected
+from tokenmill.server.generation import Generation, engine_error, wait_for_finals
 from tokenmill.server.inputs import chat_input
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -28,14 +28,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     gen = Generation.start(state.engine, request_id, [inp], arrival)
     if body.stream:
         return SSEResponse(_stream(gen, body, state, request_id, model))
-    try:
-        finals = await unless_disconnected(request, gen.finals())
-    except ClientGone:
+    finals = await wait_for_finals(gen, request)
+    if finals is None:
         return Response(status_code=CLIENT_CLOSED)
-    except Exception as exc:
-        raise engine_error(exc) from exc
-    finally:
-        gen.abort()
     choices = []
     for _, out in finals:
         for o in out.outputs:

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.server.errors import error_body
-from tokenmill.server.generation import ClientGone, Generation, engine_error, unless_disconnected
+from tokenmill.server.generation import Generation, engine_error, wait_for_finals
 from tokenmill.server.inputs import completion_inputs
 from tokenmill.server.logprobs import completion_logprobs
 from tokenmill.server.protocol import CompletionRequest
@@ -31,14 +31,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
             for inp in inputs] if body.echo else None
     if body.stream:
         return SSEResponse(_stream(gen, body, state, request_id, model, echo))
-    try:
-        finals = await unless_disconnected(request, gen.finals())
-    except ClientGone:
+    finals = await wait_for_finals(gen, request)
+    if finals is None:
         return Response(status_code=CLIENT_CLOSED)
-    except Exception as exc:
-        raise engine_error(exc) from exc
-    finally:
-        gen.abort()
     choices = []
     for i, out in finals:
         for o in out.outputs:

@@ -191,3 +191,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.done() and not task.cancelled():
         return task.result()
     raise ClientGone()
+
+
+async def wait_for_finals(gen: Generation, request: Request) -> list | None:
+    """Every prompt's final output, or None when the client went away first. The request is
+    aborted either way, so its KV blocks are freed."""
+    try:
+        return await unless_disconnected(request, gen.finals())
+    except ClientGone:
+        return None
+    except Exception as exc:
+        raise engine_error(exc) from exc
+    finally:
+        gen.abort()
