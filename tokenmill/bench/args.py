@@ -26,3 +26,61 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both engines")
     p.add_argument("--output-json", default=DEFAULT_JSON)
     p.add_argument("--skip-hf", action="store_true", help="measure tokenmill only")
+    _add_serve_parser(sub)
+    _add_compare_parser(sub)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Dataset, arrival process and SLA: shared by `serve` and `compare` so both run one workload."""
+    from tokenmill.bench.datasets import DATASETS
+
+    p.add_argument("--dataset", default="sharegpt", choices=DATASETS)
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--tokenizer", default="smollm2-135m-instruct",
+                   help="known model name, .gguf or HF dir whose tokenizer counts prompt tokens")
+    p.add_argument("--request-rate", default="inf",
+                   help="requests/s; comma list for a sweep, e.g. 1,2,4,8,inf")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="max requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="*", default=["ttft:500", "tpot:40"],
+                   help="per-request SLA in ms, KEY:MS with KEY in ttft|tpot|e2el")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--max-duration", type=float, default=1800.0, help="seconds; later requests are cancelled")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="sharegpt/multiturn prompt limit")
+    p.add_argument("--max-output-tokens", type=int, default=256, help="sharegpt/multiturn output cap")
+    p.add_argument("--random-input-len", type=int, default=128, help="random prompt / prefix-shared question tokens")
+    p.add_argument("--random-output-len", type=int, default=64, help="random / prefix-shared output tokens")
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix-shared system prompt tokens")
+    p.add_argument("--max-turns", type=int, default=4, help="multiturn turns per conversation")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--save-result", default=None, help="write all metrics and raw timings to this JSON")
+    p.add_argument("--plot", default=None, help="write TTFT/ITL CDFs (and the rate sweep) to this PNG")
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="online load test of a running OpenAI-compatible server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
+    _add_workload_args(p)
+
+
+def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="same workload against tokenmill, llama.cpp llama-server, HF generate")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="known model name or .gguf file")
+    p.add_argument("--anchors", default="tokenmill,llama.cpp,hf",
+                   help="comma list from tokenmill, llama.cpp, hf (HF: offline static batches)")
+    p.add_argument("--parallel", type=int, default=32, help="max-num-seqs / llama-server -np slots")
+    p.add_argument("--ctx-per-seq", type=int, default=1024, help="context per sequence (max-model-len)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", help="tokenmill and HF compute dtype")
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--hf-max-seconds", type=float, default=600.0,
+                   help="HF stops after the static batch that crosses this many seconds")
+    p.add_argument("--port", type=int, default=8123, help="loopback port for the servers, one at a time")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--merge-result", default=None,
+                   help="earlier compare JSON (same workload) whose servers/HF figures are added to this table")
+    p.add_argument("--llama-server", default="llama-cpp-server", help="llama.cpp server binary")
+    _add_workload_args(p)
