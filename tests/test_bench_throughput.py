@@ -63,7 +63,7 @@ def test_end_to_end_tiny_model(tiny_setup: Path, tmp_path: Path, capsys: pytest.
                    "--output-json", str(out)])
     doc = run_throughput_bench(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
-    assert doc["workload"]["num_requests"] == 6 and doc["workload"]["prefill_tokens"] == 48
+    assert doc["repeats_done"] == 2 and doc["workload"]["num_requests"] == 6 and doc["workload"]["prefill_tokens"] == 48
     assert len(doc["runs"]["hf"]) == len(doc["runs"]["tokenmill"]) == 2
     assert set(doc["ratio"]) == set(doc["median"]["hf"])
     # fp32 greedy: both engines must produce the same batch-1 continuation

@@ -22,7 +22,10 @@ class HFRunner:
         kw: dict[str, Any] = {"gguf_file": model_path.name} if model_path.suffix == ".gguf" else {}
         root = model_path.parent if model_path.suffix == ".gguf" else model_path
         self.tokenizer = AutoTokenizer.from_pretrained(root, **kw)
-        self.model = AutoModelForCausalLM.from_pretrained(root, dtype=dtype, **kw).eval()
+        # From a GGUF, transformers keeps the weights packed and dequantizes them in fp32 inside
+        # every matmul unless asked for fp32; load dense fp32 and cast, so HF runs real `dtype`
+        # GEMMs on the same dequantized weights tokenmill uses.
+        self.model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32, **kw).eval().to(dtype)
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else int(self.tokenizer.eos_token_id or 0)
         # ignore_eos like tokenmill: EOS may be generated but never stops a row. (min_new_tokens

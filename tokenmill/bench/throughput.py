@@ -108,21 +108,31 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
         _warm_up(runner, requests, prefill_prompt)
     samples: dict[str, list[Sample]] = {r.name: [] for r in runners}
     decoded: dict[str, list[int]] = {}
+    doc: dict[str, Any] = {}
     for rep in range(args.repeats):
         for runner in runners if rep % 2 == 0 else runners[::-1]:
             _log(f"repeat {rep + 1}/{args.repeats}: {runner.name}")
             sample, decoded[runner.name] = _measure(runner, requests, args, decode_prompt, prefill_prompt)
             samples[runner.name].append(sample)
-
-    summary = summarize(samples, w)
-    table = format_table(summary, w)
+        doc = _document(args, w, requests, samples, decoded, rep + 1)
+        if args.output_json:  # after every repeat, so a killed run still leaves its data
+            write_json(Path(args.output_json), doc)
     print(f"\nShareGPT offline throughput: {args.model} {args.dtype}, {w.num_requests} prompts, "
           f"HF static batch {args.hf_batch_size}, median of {args.repeats}, {args.threads} threads\n")
-    print(table, flush=True)
+    print(doc["table"], flush=True)
+    if args.output_json:
+        _log(f"wrote {args.output_json}")
+    return doc
+
+
+def _document(args: argparse.Namespace, w: Workload, requests: Sequence[Request],
+              samples: dict[str, list[Sample]], decoded: dict[str, list[int]], done: int) -> dict[str, Any]:
+    summary = summarize(samples, w)
     hf_batches = [requests[i:i + args.hf_batch_size] for i in range(0, len(requests), args.hf_batch_size)]
-    doc = {
+    return {
         "benchmark": "throughput",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "repeats_done": done,
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "machine": _machine(),
         "workload": asdict(w),
@@ -130,9 +140,5 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
         "batch1_greedy_common_prefix": (_common_prefix(decoded["hf"], decoded["tokenmill"])
                                         if "hf" in decoded else None),
         **summary,
-        "table": table,
+        "table": format_table(summary, w),
     }
-    if args.output_json:
-        write_json(Path(args.output_json), doc)
-        _log(f"wrote {args.output_json}")
-    return doc
