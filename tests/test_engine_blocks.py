@@ -2,7 +2,6 @@
 import random
 
 import pytest
-import torch
 
 from tests.tiny_models import save_tiny_model_dir
 from tokenmill import LLM, SamplingParams

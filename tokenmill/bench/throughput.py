@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from tokenmill.bench.serve import machine_info
 from tokenmill.bench.report import Sample, Workload, format_table, summarize, write_json
 from tokenmill.bench.sharegpt import Request, sample_requests
 from tokenmill.hub import resolve_model
@@ -34,16 +33,9 @@ def _log(msg: str) -> None:
 
 
 def _machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import transformers
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+    return {**machine_info(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def _prefill_prompt(requests: Sequence[Request], n: int) -> list[int]:

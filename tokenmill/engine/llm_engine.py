@@ -7,7 +7,6 @@ server loop) drive it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
