@@ -26,6 +26,15 @@ class PrefillSpan:
     end: int
     context_len: int
     block_table: torch.Tensor | None
+    mask: torch.Tensor | None = None      # [n, context_len] True = attend; None when block_table is None
+
+    def __post_init__(self) -> None:
+        # built once per step here, not once per layer
+        if self.block_table is not None and self.mask is None:
+            n = self.end - self.start
+            dev = self.block_table.device
+            qpos = torch.arange(self.context_len - n, self.context_len, device=dev)
+            self.mask = torch.arange(self.context_len, device=dev)[None, :] <= qpos[:, None]
 
 
 @dataclass(slots=True)
@@ -35,6 +44,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None   # [D, max_blocks] int32, padded with block 0
     decode_context_lens: torch.Tensor | None   # [D] int32
     prefills: list[PrefillSpan]
+    decode_mask: torch.Tensor | None = None    # torch fallback only; built on first use, shared by layers
 
 
 def paged_attention(
@@ -63,16 +73,17 @@ def paged_attention(
         # Fold the query heads of one KV group into the query-length axis: [D, Hk, G, D]
         # against K [D, Hk, L, D] is exact GQA without repeating K/V.
         bt = meta.decode_block_tables
-        width = bt.shape[1] * block_size
-        mask = (torch.arange(width, device=q.device)[None, :] < meta.decode_context_lens[:, None]).view(nd, 1, 1, -1)
+        if meta.decode_mask is None:
+            width = bt.shape[1] * block_size
+            meta.decode_mask = (torch.arange(width, device=q.device)[None, :]
+                                < meta.decode_context_lens[:, None]).view(nd, 1, 1, -1)
         kd = k_cache[bt].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         vd = v_cache[bt].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
         od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype),
-                                            attn_mask=mask, scale=scale)
+                                            attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
     for span in meta.prefills:
-        n = span.end - span.start
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)            # [1, Hq, n, D]
         if span.block_table is None:
             ks, vs = k[span.start:span.end], v[span.start:span.end]
@@ -80,10 +91,7 @@ def paged_attention(
         else:
             ks = k_cache[span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
             vs = v_cache[span.block_table].view(-1, num_kv_heads, head_dim)[:span.context_len]
-            # query i sits at position context_len - n + i and sees keys up to there
-            qpos = torch.arange(span.context_len - n, span.context_len, device=q.device)
-            mask = torch.arange(span.context_len, device=q.device)[None, :] <= qpos[:, None]
-            causal = False
+            mask, causal = span.mask, False     # query i sits at position context_len - n + i
         ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)
         vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
