@@ -1,7 +1,8 @@
 """`tokenmill bench compare`: one workload, one seed, against each server in turn + HF offline.
 
-Servers run one at a time (never two on the 2 shared cores at once), each warmed up with one
-request, then swept over the request rates. HF transformers `generate` with static batches
+Servers run one at a time (never two on the 2 shared cores at once); each is started afresh
+for every request rate (so no rate inherits a warm prompt cache) and warmed up with a short
+burst of prompts that are not in the workload. HF transformers `generate` with static batches
 runs the same prompts offline for an output-throughput anchor. The side-by-side table gives
 ratio = tokenmill / anchor: above 1 is better for throughputs, worse for latencies.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tokenmill.bench.anchors import ManagedServer, ServerSpec, llama_server_spec, tokenmill_spec
-from tokenmill.bench.serve import load_requests, machine_info, quiet_http_logs, sweep
+from tokenmill.bench.serve import load_requests, machine_info, parse_rates, quiet_http_logs, run_rate, warm_up
 from tokenmill.bench.sharegpt import Request
 from tokenmill.hub import resolve_model
 
@@ -118,8 +119,13 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     for spec in specs:
         print(f"[compare {time.strftime('%H:%M:%S')}] starting {spec.name}: {' '.join(spec.cmd)}", flush=True)
         commands[spec.name] = spec.cmd
-        with ManagedServer(spec, args.startup_timeout):
-            runs[spec.name] = sweep(spec.base_url, spec.served_model, requests, args, label=spec.name)
+        runs[spec.name] = []
+        for rate in parse_rates(args.request_rate):
+            # a fresh server per rate: every rate starts with a cold prefix/prompt cache
+            with ManagedServer(spec, args.startup_timeout):
+                warm_up(spec.base_url, spec.served_model, args.endpoint)
+                runs[spec.name].append(run_rate(spec.base_url, spec.served_model, requests, rate, args,
+                                                label=spec.name))
     hf = None
     if "hf" in names:
         print(f"[compare {time.strftime('%H:%M:%S')}] HF transformers generate, static batch {args.hf_batch_size}",

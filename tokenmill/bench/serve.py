@@ -217,29 +217,41 @@ def load_requests(args: argparse.Namespace) -> list[Request]:
     return build_requests(tok, dataset_config(args))
 
 
-def sweep(base_url: str, model: str, requests: Sequence[Request], args: argparse.Namespace,
-          label: str = "") -> list[dict[str, Any]]:
-    """One run per request rate, each printed as a table; returns the run records."""
-    sla = parse_sla(args.goodput)
-    # Warm-up: a small concurrent burst of short requests, so batched code paths are exercised too.
-    burst = [Request(r.prompt, r.prompt_token_ids, min(r.output_len, 8)) for r in requests[:4]]
+WARMUP_PROMPTS = [f"Warm-up request {i}: list the first ten prime numbers." for i in range(4)]
+
+
+def warm_up(base_url: str, model: str, endpoint: str) -> None:
+    """A small concurrent burst, so batched code paths are compiled/allocated before timing.
+    Its prompts never occur in a workload, so it leaves nothing in a prefix cache to hit."""
+    burst = [Request(p, [], 8) for p in WARMUP_PROMPTS]
     warm, _ = asyncio.run(run_load(base_url, model, burst, math.inf, progress=False,
-                                   endpoint=args.endpoint, max_duration_s=180))
+                                   endpoint=endpoint, max_duration_s=180))
     if not all(w.success for w in warm):
         raise RuntimeError(f"warm-up request to {base_url} failed: {[w.error for w in warm]}")
-    runs = []
-    for rate in parse_rates(args.request_rate):
-        results, duration = asyncio.run(run_load(
-            base_url, model, requests, rate, args.burstiness, args.max_concurrency, args.seed,
-            args.endpoint, args.max_duration, progress=not args.no_progress))
-        rec = run_record(rate, results, duration, sla)
-        m = compute_metrics(results, duration, sla)
-        print(format_table(m, f"{label} rate={rate:g}".strip(), sla), flush=True)
-        errors = sorted({r.error for r in results if not r.success})
-        if errors:
-            print(f"errors: {errors[:3]}", flush=True)
-        runs.append(rec)
-    return runs
+
+
+def run_rate(base_url: str, model: str, requests: Sequence[Request], rate: float, args: argparse.Namespace,
+             label: str = "") -> dict[str, Any]:
+    """One timed run at one request rate, printed as a table; returns its record."""
+    sla = parse_sla(args.goodput)
+    results, duration = asyncio.run(run_load(
+        base_url, model, requests, rate, args.burstiness, args.max_concurrency, args.seed,
+        args.endpoint, args.max_duration, progress=not args.no_progress))
+    m = compute_metrics(results, duration, sla)
+    print(format_table(m, f"{label} rate={rate:g}".strip(), sla), flush=True)
+    errors = sorted({r.error for r in results if not r.success})
+    if errors:
+        print(f"errors: {errors[:3]}", flush=True)
+    return run_record(rate, results, duration, sla)
+
+
+def sweep(base_url: str, model: str, requests: Sequence[Request], args: argparse.Namespace,
+          label: str = "") -> list[dict[str, Any]]:
+    """One run per request rate against an already running server. The same prompts repeat
+    across rates, so a server with a prefix cache answers later rates partly from it;
+    `bench compare` restarts each server per rate instead."""
+    warm_up(base_url, model, args.endpoint)
+    return [run_rate(base_url, model, requests, rate, args, label) for rate in parse_rates(args.request_rate)]
 
 
 def quiet_http_logs() -> None:
