@@ -47,6 +47,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.bench == "serve":
         from tokenmill.bench.serve import run_serve_bench
         run_serve_bench(args)
+    elif args.bench == "scheduler":
+        from tokenmill.bench.scheduler_bench import run_scheduler_bench
+        run_scheduler_bench(args)
     elif args.bench == "compare":
         from tokenmill.bench.compare import run_compare
         run_compare(args)

@@ -32,11 +32,13 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def tokenmill_spec(model: str, port: int, parallel: int, ctx_per_seq: int, threads: int, dtype: str) -> ServerSpec:
+def tokenmill_spec(model: str, port: int, parallel: int, ctx_per_seq: int, threads: int, dtype: str,
+                   extra: list[str] | None = None, name: str = "tokenmill") -> ServerSpec:
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(parallel), "--max-model-len", str(ctx_per_seq), "--num-threads", str(threads),
-           "--dtype", dtype, "--disable-uvicorn-access-log", "--served-model-name", "bench"]
-    return ServerSpec("tokenmill", cmd, port, "bench")
+           "--dtype", dtype, "--disable-uvicorn-access-log", "--served-model-name", "bench",
+           *(extra or [])]
+    return ServerSpec(name, cmd, port, "bench")
 
 
 def find_llama_server(binary: str = "llama-cpp-server") -> str:

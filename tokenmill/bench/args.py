@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_JSON = "benchmarks/results/throughput.json"
+SCHEDULER_EXPERIMENTS = ("prefix", "multiturn", "interference", "priority")   # scheduler_bench.EXPERIMENTS
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure tokenmill only")
     _add_serve_parser(sub)
     _add_compare_parser(sub)
+    _add_scheduler_parser(sub)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -84,3 +86,17 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
                    help="earlier compare JSON (same workload) whose servers/HF figures are added to this table")
     p.add_argument("--llama-server", default="llama-cpp-server", help="llama.cpp server binary")
     _add_workload_args(p)
+
+
+def _add_scheduler_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scheduler", help="prefix caching / chunked prefill / priority: feature on vs off")
+    p.add_argument("experiment", choices=[*SCHEDULER_EXPERIMENTS, "all"])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="known model name, .gguf file or HF dir")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians are reported")
+    p.add_argument("--seed", type=int, default=0, help="repeat k uses seed + k")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--output-dir", default="benchmarks/results", help="writes scheduler_<experiment>.json here")

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from tokenmill.bench.anchors import ManagedServer, ServerSpec, llama_server_spec, tokenmill_spec
 from tokenmill.bench.serve import load_requests, machine_info, parse_rates, quiet_http_logs, run_rate, warm_up
+from tokenmill.bench.metrics_math import parse_sla
 from tokenmill.bench.sharegpt import Request
 from tokenmill.hub import resolve_model
 
@@ -157,6 +158,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot and runs:
         from tokenmill.bench.plots import plot_runs
         plot_runs(runs, Path(args.plot), title=f"{args.model}: {args.dataset}, {len(requests)} prompts, "
-                                               f"{args.parallel} parallel, {args.threads} threads")
+                                               f"{args.parallel} parallel, {args.threads} threads",
+                  hf_output_tok_s=hf["output_tok_s"] if hf else None, sla_ms=parse_sla(args.goodput))
         print(f"wrote {args.plot}")
     return doc

@@ -120,6 +120,34 @@ def multiturn_requests(tokenizer: Any, cfg: DatasetConfig,
     return out[:cfg.num_prompts]
 
 
+@dataclass(slots=True)
+class Dialogue:
+    """A conversation to replay closed-loop: the user turns and each answer's token budget."""
+
+    user_turns: list[str]
+    output_lens: list[int]
+
+
+def multiturn_dialogues(tokenizer: Any, cfg: DatasetConfig, num_conversations: int,
+                        conversations: list[Conversation] | None = None) -> list[Dialogue]:
+    """`num_conversations` ShareGPT conversations (seeded sample) with at least 2 turns that fit
+    the limits when answered at the recorded lengths."""
+    convs = load_sharegpt() if conversations is None else conversations
+    order = list(range(len(convs)))
+    random.Random(cfg.seed).shuffle(order)
+    out: list[Dialogue] = []
+    for idx in order:
+        if len(out) >= num_conversations:
+            break
+        chain = _turn_prompts(tokenizer, convs[idx], cfg)
+        if len(chain) >= 2:
+            users = [convs[idx].turns[2 * k][1] for k in range(len(chain))]
+            out.append(Dialogue(users, [r.output_len for r in chain]))
+    if len(out) < num_conversations:
+        raise ValueError(f"only {len(out)} of {num_conversations} conversations fit the limits")
+    return out
+
+
 def build_requests(tokenizer: Any, cfg: DatasetConfig,
                    conversations: list[Conversation] | None = None) -> list[Request]:
     if cfg.name == "sharegpt":

@@ -30,6 +30,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)    # gaps between content chunks
     start: float = 0.0                                # send time relative to benchmark start
     error: str = ""
+    text: str = ""                                    # generated text, only when asked for
 
     @property
     def tpot(self) -> float | None:

@@ -24,7 +24,10 @@ def _rate_label(rec: dict[str, Any]) -> str:
     return "inf" if r == "inf" else f"{float(r):g}"
 
 
-def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = "") -> None:
+def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = "",
+              hf_output_tok_s: float | None = None, sla_ms: dict[str, float] | None = None) -> None:
+    """`hf_output_tok_s`: HF's offline figure, drawn as a line on the throughput panel;
+    `sla_ms`: goodput limits (ttft/tpot) drawn on the latency panel."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -47,18 +50,28 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str = ""
         ax.legend(fontsize=7)
     if is_sweep:
         tput_ax, lat_ax = axes[1]
+        labels = [_rate_label(r) for r in max(runs.values(), key=len)]
         for server, recs in runs.items():
-            xs = [_rate_label(r) for r in recs]
+            xs = list(range(len(recs)))      # positions; rates are shown as tick labels
             tput_ax.plot(xs, [r["metrics"]["output_throughput"] for r in recs], marker="o", label=server)
             lat_ax.plot(xs, [r["metrics"]["ttft"]["p95"] for r in recs], marker="o", label=f"{server} P95 TTFT")
             lat_ax.plot(xs, [r["metrics"]["tpot"]["p95"] for r in recs], marker="s", linestyle="--",
                         label=f"{server} P95 TPOT")
+        if hf_output_tok_s:
+            tput_ax.axhline(hf_output_tok_s, color="gray", linestyle=":",
+                            label="HF generate, offline static batches")
+        for key, style in (("ttft", "-."), ("tpot", ":")):
+            if sla_ms and key in sla_ms:
+                lat_ax.axhline(sla_ms[key], color="black", linestyle=style, linewidth=1,
+                               label=f"SLA {key.upper()} {sla_ms[key]:g} ms")
+        tput_ax.set_ylim(bottom=0)
         tput_ax.set_ylabel("output throughput (tok/s)")
         tput_ax.set_title("throughput vs request rate")
         lat_ax.set_yscale("log")
         lat_ax.set_ylabel("P95 latency (ms, log scale)")
         lat_ax.set_title("P95 latency vs request rate")
         for ax in (tput_ax, lat_ax):
+            ax.set_xticks(range(len(labels)), labels)
             ax.set_xlabel("request rate (req/s)")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)

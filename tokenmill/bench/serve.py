@@ -47,8 +47,9 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return np.random.default_rng(seed).gamma(shape=burstiness, scale=theta, size=n).tolist()
 
 
-def _payload(model: str, req: Request, endpoint: str, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+def _payload(model: str, req: Request, endpoint: str, max_tokens: int,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {**(extra or {}), "model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}, "ignore_eos": True}
     if endpoint == CHAT:
         body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -66,10 +67,13 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, model: str, req: Request,
-                       t0: float, max_tokens: int | None = None) -> RequestResult:
-    """Stream one request; never raises (errors become a failed result)."""
+                       t0: float, max_tokens: int | None = None, extra: dict[str, Any] | None = None,
+                       keep_text: bool = False) -> RequestResult:
+    """Stream one request; never raises (errors become a failed result). `extra` adds body
+    fields (e.g. `priority`); `keep_text` stores the generated text in the result."""
     res = RequestResult(success=False, prompt_len=len(req.prompt_token_ids))
-    body = _payload(model, req, endpoint, max_tokens or req.output_len)
+    body = _payload(model, req, endpoint, max_tokens or req.output_len, extra)
+    pieces: list[str] = []
     st = time.perf_counter()
     res.start = st - t0
     last = st
@@ -89,7 +93,9 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
-                if _chunk_text(chunk):
+                if text := _chunk_text(chunk):
+                    if keep_text:
+                        pieces.append(text)
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft = now - st
@@ -99,6 +105,7 @@ async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, 
         res.latency = time.perf_counter() - st
         res.output_tokens = usage_tokens if usage_tokens is not None else chunks
         res.success = chunks > 0
+        res.text = "".join(pieces)
         if not res.success:
             res.error = "no content in the stream"
     except (httpx.HTTPError, json.JSONDecodeError, asyncio.TimeoutError) as e:
