@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tokenmill.bench.anchors import ManagedServer, ServerSpec, llama_server_spec, tokenmill_spec
-from tokenmill.bench.serve import load_requests, machine_info, parse_rates, quiet_http_logs, run_rate, warm_up
+from tokenmill.bench.serve import load_requests, machine_info, parse_rates, quiet_http_logs, run_rate, save_json, warm_up
 from tokenmill.bench.metrics_math import parse_sla
 from tokenmill.bench.sharegpt import Request
 from tokenmill.hub import resolve_model
@@ -152,8 +152,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
            "workload": workload,
            "runs": runs, "hf": hf, "table": table}
     if args.save_result:
-        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_result).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        save_json(Path(args.save_result), doc)
         print(f"wrote {args.save_result}")
     if args.plot and runs:
         from tokenmill.bench.plots import plot_runs

@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +30,7 @@ from tokenmill.bench import scenarios as sc
 from tokenmill.bench.args import SCHEDULER_EXPERIMENTS
 from tokenmill.bench.anchors import ManagedServer, tokenmill_spec
 from tokenmill.bench.metrics_math import RequestResult, stat
-from tokenmill.bench.serve import machine_info, quiet_http_logs, warm_up
+from tokenmill.bench.serve import compact_record, machine_info, quiet_http_logs, save_json, warm_up
 
 Numbers = dict[str, float]
 COUNTERS = ("tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions")
@@ -138,20 +137,6 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
 assert tuple(EXPERIMENTS) == SCHEDULER_EXPERIMENTS, "keep bench/args.py's names in step"
 
 
-def _record(groups: sc.Groups) -> dict[str, list[dict[str, Any]]]:
-    """Raw per-request timings (ms resolution is plenty; no generated text)."""
-    out = {}
-    for g, rs in groups.items():
-        rows = []
-        for r in rs:
-            d = asdict(r)
-            d.pop("text")
-            d["itl"] = [round(x, 4) for x in r.itl]
-            rows.append(d)
-        out[g] = rows
-    return out
-
-
 def run_one(exp: Experiment, label: str, seed: int, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
     spec = tokenmill_spec(args.model, args.port, args.max_num_seqs, exp.max_model_len, args.threads, args.dtype,
                           extra=exp.configs[label], name=label)
@@ -165,7 +150,7 @@ def run_one(exp: Experiment, label: str, seed: int, args: argparse.Namespace, to
     numbers["wall time (s)"] = seconds
     print(f"[{exp.name} {time.strftime('%H:%M:%S')}] {label} seed {seed}: "
           + ", ".join(f"{k} {v:.1f}" for k, v in numbers.items()), flush=True)
-    return {"seed": seed, "numbers": numbers, "counters": delta, "requests": _record(groups)}
+    return {"seed": seed, "numbers": numbers, "counters": delta, "requests": {g: [compact_record(r) for r in rs] for g, rs in groups.items()}}
 
 
 def table(exp: Experiment, runs: dict[str, list[dict[str, Any]]]) -> str:
@@ -210,8 +195,7 @@ def run_scheduler_bench(args: argparse.Namespace) -> dict[str, Any]:
                "threads": args.threads, "dtype": args.dtype, "table": text, "runs": runs}
         if args.output_dir:
             path = Path(args.output_dir) / f"scheduler_{name}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+            save_json(path, doc)
             print(f"wrote {path}")
         docs[name] = doc
     return docs

@@ -189,7 +189,23 @@ def run_record(rate: float, results: Sequence[RequestResult], duration: float,
     """JSON-able record of one run: the metrics plus every request's raw timings."""
     m = compute_metrics(results, duration, sla)
     return {"request_rate": "inf" if math.isinf(rate) else rate, "metrics": asdict(m),
-            "requests": [asdict(r) for r in results]}
+            "requests": [compact_record(r) for r in results]}
+
+
+def save_json(path: Path, doc: dict[str, Any]) -> None:
+    """Result files hold every request's raw timings: one compact line, not pretty-printed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+
+
+def compact_record(r: RequestResult) -> dict[str, Any]:
+    """A request's raw timings for JSON: times rounded to 10 us, no generated text."""
+    d = asdict(r)
+    d.pop("text")
+    for k in ("ttft", "latency", "start"):
+        d[k] = round(d[k], 5)
+    d["itl"] = [round(x, 5) for x in r.itl]
+    return d
 
 
 def machine_info() -> dict[str, Any]:
@@ -276,8 +292,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     doc = {"benchmark": "serve", "base_url": base_url, "model": model, "machine": machine_info(),
            "config": {k: v for k, v in vars(args).items() if k != "func"}, "runs": {model: runs}}
     if args.save_result:
-        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_result).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        save_json(Path(args.save_result), doc)
         print(f"wrote {args.save_result}")
     if args.plot:
         from tokenmill.bench.plots import plot_runs
