@@ -22,7 +22,7 @@ def paged_decode_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
         return load(name="tokenmill_paged_decode", sources=[str(_SRC)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: keep serving on the torch path
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
