@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tokenmill.bench.anchors import ManagedServer, ServerSpec, llama_server_spec, tokenmill_spec
-from tokenmill.bench.serve import load_requests, machine_info, parse_rates, quiet_http_logs, run_rate, save_json, warm_up
 from tokenmill.bench.metrics_math import parse_sla
+from tokenmill.bench.serve import (load_requests, machine_info, parse_rates, quiet_http_logs, run_rate, save_json,
+                                   warm_up)
 from tokenmill.bench.sharegpt import Request
 from tokenmill.hub import resolve_model
 

@@ -101,8 +101,10 @@ def summarize_interference(groups: sc.Groups, delta: Numbers) -> Numbers:
 
 def summarize_priority(groups: sc.Groups, delta: Numbers) -> Numbers:
     hi, lo = groups["high"], groups["low"]
-    return {"high-priority TTFT P95 (ms)": _ms(hi, "ttft", "p95"), "high-priority TTFT P50 (ms)": _ms(hi, "ttft", "median"),
-            "low-priority TTFT P95 (ms)": _ms(lo, "ttft", "p95"), "low-priority TTFT P50 (ms)": _ms(lo, "ttft", "median"),
+    return {"high-priority TTFT P95 (ms)": _ms(hi, "ttft", "p95"),
+            "high-priority TTFT P50 (ms)": _ms(hi, "ttft", "median"),
+            "low-priority TTFT P95 (ms)": _ms(lo, "ttft", "p95"),
+            "low-priority TTFT P50 (ms)": _ms(lo, "ttft", "median"),
             "all E2E P50 (ms)": _ms(hi + lo, "latency", "median"),
             "preemptions": delta["tokenmill:num_preemptions"], "failed requests": _failed(groups)}
 
@@ -150,7 +152,8 @@ def run_one(exp: Experiment, label: str, seed: int, args: argparse.Namespace, to
     numbers["wall time (s)"] = seconds
     print(f"[{exp.name} {time.strftime('%H:%M:%S')}] {label} seed {seed}: "
           + ", ".join(f"{k} {v:.1f}" for k, v in numbers.items()), flush=True)
-    return {"seed": seed, "numbers": numbers, "counters": delta, "requests": {g: [compact_record(r) for r in rs] for g, rs in groups.items()}}
+    raw = {g: [compact_record(r) for r in rs] for g, rs in groups.items()}
+    return {"seed": seed, "numbers": numbers, "counters": delta, "requests": raw}
 
 
 def table(exp: Experiment, runs: dict[str, list[dict[str, Any]]]) -> str:

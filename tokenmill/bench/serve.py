@@ -49,8 +49,8 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 
 def _payload(model: str, req: Request, endpoint: str, max_tokens: int,
              extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {**(extra or {}), "model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body: dict[str, Any] = {**(extra or {}), "model": model, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     if endpoint == CHAT:
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
