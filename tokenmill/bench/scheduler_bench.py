@@ -59,9 +59,8 @@ def scrape_counters(base_url: str) -> Numbers:
 
 
 def _ms(results: list[RequestResult], key: str, pct: str) -> float:
-    values = [getattr(r, key) for r in results if r.success]
-    if key == "itl":
-        values = [g for r in results if r.success for g in r.itl]
+    ok = [r for r in results if r.success]
+    values = [g for r in ok for g in r.itl] if key == "itl" else [getattr(r, key) for r in ok]
     return float(getattr(stat(values), pct))
 
 

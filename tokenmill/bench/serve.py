@@ -185,9 +185,10 @@ def format_table(m: BenchMetrics, title: str = "Serving Benchmark Result", sla: 
 
 
 def run_record(rate: float, results: Sequence[RequestResult], duration: float,
-               sla: dict[str, float]) -> dict[str, Any]:
-    """JSON-able record of one run: the metrics plus every request's raw timings."""
-    m = compute_metrics(results, duration, sla)
+               sla: dict[str, float], metrics: BenchMetrics | None = None) -> dict[str, Any]:
+    """JSON-able record of one run: the metrics (computed unless given) plus every request's
+    raw timings."""
+    m = metrics or compute_metrics(results, duration, sla)
     return {"request_rate": "inf" if math.isinf(rate) else rate, "metrics": asdict(m),
             "requests": [compact_record(r) for r in results]}
 
@@ -265,7 +266,7 @@ def run_rate(base_url: str, model: str, requests: Sequence[Request], rate: float
     errors = sorted({r.error for r in results if not r.success})
     if errors:
         print(f"errors: {errors[:3]}", flush=True)
-    return run_record(rate, results, duration, sla)
+    return run_record(rate, results, duration, sla, m)
 
 
 def sweep(base_url: str, model: str, requests: Sequence[Request], args: argparse.Namespace,
