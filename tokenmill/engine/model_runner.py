@@ -9,6 +9,8 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.quant.apply import quantize_model, weight_bytes
+from tokenmill.quant.config import QuantConfig
 from tokenmill.sequence import Sequence
 
 log = logging.getLogger("tokenmill")
@@ -23,6 +25,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+        """With `config.quantization` the float weights are quantized once they are loaded."""
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
         self.model_cfg = model_cfg
@@ -33,6 +36,16 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         model.rope = type(model.rope)(model_cfg.head_dim, max_model_len, model_cfg.rope_theta).to(device)
         model.load_hf_state_dict(weights)
+        self.float_weight_bytes = weight_bytes(model)
+        quant = None
+        if config.quantization:
+            quant = QuantConfig(config.quantization, quantize_lm_head=config.quantize_lm_head)
+            quantize_model(model, quant)
+        self.quant = quant
+        self.weight_bytes = weight_bytes(model)
+        if quant is not None:
+            log.info("weights quantized with %s: %.1f MB (float %s would be %.1f MB)", quant.method,
+                     self.weight_bytes / 1e6, str(dtype).removeprefix("torch."), self.float_weight_bytes / 1e6)
         self.model = model.eval()
         self.num_blocks = self._num_kv_blocks(config)
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)

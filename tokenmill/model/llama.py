@@ -86,36 +86,37 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
-        fused = {
-            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-        }
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name} has no place in the model")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-            loaded.add(name)
-
-        for i in range(self.cfg.num_layers):
-            pre = f"model.layers.{i}."
-            for dst, srcs in fused.items():
-                for kind in ("weight", "bias"):
-                    parts = [weights.get(f"{pre}{s}.{kind}") for s in srcs]
-                    if all(p is not None for p in parts):
-                        put(f"layers.{i}.{dst}.{kind}", torch.cat(parts, dim=0))
-            for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                         "self_attn.o_proj.weight", "mlp.down_proj.weight"):
-                put(f"layers.{i}.{name}", weights[pre + name])
-        put("embed_tokens.weight", weights["model.embed_tokens.weight"])
-        put("norm.weight", weights["model.norm.weight"])
-        if not self.cfg.tie_word_embeddings:
-            put("lm_head.weight", weights["lm_head.weight"])
-        missing = set(params) - loaded - ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
+        """Copy HF-named tensors into every parameter, fusing q/k/v and gate/up. Linears that
+        were already replaced by quantized modules have no parameters left to fill."""
+        missing = []
+        for name, param in self.named_parameters():
+            sources = hf_param_sources(name)
+            if any(s not in weights for s in sources):
+                missing.append(name)
+                continue
+            tensor = torch.cat([weights[s] for s in sources], dim=0) if len(sources) > 1 else weights[sources[0]]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.copy_(tensor)
         if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)[:5]}")
+            raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
+
+
+# Our fused projections and the HF projections they stack, in row order.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def hf_module_sources(module: str) -> list[str]:
+    """`layers.3.self_attn.qkv_proj` -> the HF module names whose rows it stacks."""
+    if module.startswith("layers."):
+        _, idx, rest = module.split(".", 2)
+        return [f"model.layers.{idx}.{part}" for part in FUSED_PROJECTIONS.get(rest, (rest,))]
+    return [module if module == "lm_head" else f"model.{module}"]
+
+
+def hf_param_sources(param: str) -> list[str]:
+    module, _, kind = param.rpartition(".")
+    return [f"{m}.{kind}" for m in hf_module_sources(module)]

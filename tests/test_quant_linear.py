@@ -1,0 +1,89 @@
+"""int8 / rtn4 / nf4 linears: error bounds, the small-M vs large-M path switch, load-time
+quantization of a whole model, and QuantConfig's HF round trip."""
+import pytest
+import torch
+
+from tests.tiny_models import tiny_hf_model
+from tokenmill.quant.apply import quantize_model, weight_bytes
+from tokenmill.quant.config import QuantConfig
+from tokenmill.quant.group import rtn_quantize
+from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.int8 import Int8Linear
+
+
+def test_rtn4_error_within_half_step():
+    w = torch.randn(48, 576)
+    gq = rtn_quantize(w, 4, 128)             # 128 does not divide 576: last group is partial
+    assert gq.scales.shape == (48, 5)
+    step = gq.scales[:, gq.g_idx.long()]
+    assert ((gq.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int8_error_within_half_step():
+    w = torch.randn(32, 200)
+    lin = Int8Linear.from_float(w, None)
+    assert ((lin.dequantize() - w).abs() <= lin.scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("k,group", [(576, 128), (576, 64), (256, 32)])
+def test_int4_paths_agree(k, group, monkeypatch):
+    torch.manual_seed(0)
+    lin = Int4Linear(rtn_quantize(torch.randn(48, k), 4, group), torch.randn(48))
+    assert lin.packed is not None
+    x = torch.randn(8, k)
+    reference = x @ lin.dequantize().T + lin.bias
+    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "1000")
+    small = lin(x)                          # packed int4 kernel (bf16 activations)
+    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "0")
+    large = lin(x)                          # dequantize + GEMM
+    scale = reference.abs().max()
+    assert (large - reference).abs().max() / scale < 1e-5
+    assert (small - reference).abs().max() / scale < 2e-2
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_int8_paths_agree(smooth, monkeypatch):
+    torch.manual_seed(1)
+    w = torch.randn(64, 576)
+    inv = torch.rand(576) + 0.5 if smooth else None
+    lin = Int8Linear.from_float(w, torch.randn(64), smooth_inv=inv)
+    x = torch.randn(8, 576)
+    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "1000")
+    small = lin(x)
+    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "0")
+    large = lin(x)
+    xs = x if inv is None else x * inv
+    reference = xs @ w.T + lin.bias
+    scale = reference.abs().max()
+    assert (small - large).abs().max() / scale < 2e-2
+    assert (large - reference).abs().max() / scale < 3e-2
+
+
+@pytest.mark.parametrize("method", ["int8", "rtn4", "nf4"])
+def test_quantized_tiny_model_logits_near_float(method):
+    from tests.test_model_runner import make_runner
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sequence import Sequence
+
+    hf = tiny_hf_model("llama")
+    runner, bm = make_runner(hf)
+    float_bytes = weight_bytes(runner.model)
+    seq = Sequence("0", list(range(3, 40)), SamplingParams(max_tokens=1))
+    assert bm.admit(seq, [], 0) and bm.grow(seq, seq.num_tokens)
+    ref = runner.execute([(seq, seq.num_tokens)])
+    quantize_model(runner.model, QuantConfig(method, group_size=32, block_size=64))
+    assert weight_bytes(runner.model) < float_bytes
+    got = runner.execute([(seq, seq.num_tokens)])
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < {"int8": 0.02, "rtn4": 0.25, "nf4": 0.25}[method], rel
+
+
+def test_quant_config_hf_round_trip():
+    for cfg in (QuantConfig("gptq", group_size=64, act_order=True), QuantConfig("awq", group_size=128),
+                QuantConfig("nf4", double_quant=False), QuantConfig("smoothquant", alpha=0.6)):
+        back = QuantConfig.from_hf(cfg.to_hf())
+        assert (back.method, back.group_size, back.bits) == (cfg.method, cfg.group_size, cfg.bits)
+    with pytest.raises(ValueError, match="group_size"):
+        QuantConfig("rtn4", group_size=100)
+    with pytest.raises(ValueError, match="unknown quantization method"):
+        QuantConfig("fp3")

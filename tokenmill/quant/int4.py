@@ -1,0 +1,95 @@
+"""4-bit group-wise weights (rtn4, GPTQ, AWQ share this runtime form).
+
+Small M runs torch's packed int4 CPU kernel, which wants the group size to divide K and to be
+32..256, so K is zero-padded up to a multiple of the group (SmolLM2's 576 with group 128) and
+act-order checkpoints get their input columns permuted once at load so groups are contiguous
+(x is permuted the same way per call). AWQ's scales are folded into the preceding layers by
+the calibration, so they never appear here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.quant.group import GroupQuant
+from tokenmill.quant.kernels import use_weight_only_kernel
+
+_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, gq: GroupQuant, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if gq.bits != 4:
+            raise ValueError(f"Int4Linear holds 4-bit weights, got bits={gq.bits}")
+        self.out_features, self.in_features = gq.shape
+        self.bits, self.group_size = gq.bits, gq.group_size
+        g_idx = gq.g_idx.long()
+        perm = torch.argsort(g_idx, stable=True)
+        identity = torch.equal(perm, torch.arange(len(perm)))
+        # Columns in group order: group j holds columns [j*g, (j+1)*g) of the permuted input.
+        q, sorted_g = gq.q[:, perm], g_idx[perm]
+        counts = torch.bincount(sorted_g, minlength=gq.scales.shape[1])
+        if not identity and (counts[:-1] != gq.group_size).any():
+            raise ValueError("act-order g_idx whose groups are not all group_size wide is not supported")
+        self.register_buffer("perm", None if identity else perm)
+        self.register_buffer("g_idx", gq.g_idx.to(torch.int32))
+        self.register_buffer("bias", bias)
+        g = gq.group_size
+        kpad = -self.in_features % g
+        self.k_padded = self.in_features + kpad
+        # Padded columns get code == zero point, i.e. weight 0; x is padded with zeros too.
+        zero_cols = gq.zeros[:, -1:].to(torch.uint8).expand(-1, kpad)
+        q = torch.cat([q, zero_cols], dim=1)
+        n_groups = self.k_padded // g
+        scales = gq.scales[:, :n_groups].float()
+        zeros = gq.zeros[:, :n_groups].float()
+        self.register_buffer("q", q.contiguous())             # uint8 [N, Kp]: dequant / CUDA path
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        # torch's packer also wants N divisible by 16; other shapes take the dequantize path
+        use_kernel = g in _KERNEL_GROUPS and q.device.type == "cpu" and self.out_features % 16 == 0
+        self.register_buffer("packed", None)
+        self.register_buffer("scale_zero", None)
+        if use_kernel:
+            # torch's int4 kernel dequantizes as (q - 8) * scale + offset, so
+            # (q - z) * s == (q - 8) * s + (8 - z) * s.
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+            sz = torch.stack([scales, (8 - zeros) * scales], dim=-1).transpose(0, 1)   # [G, N, 2]
+            self.scale_zero = sz.contiguous().to(torch.bfloat16)
+
+    def weight_bytes(self) -> int:
+        """Bytes as stored in a checkpoint: 4-bit codes, fp16 scales and 4-bit zeros."""
+        n_groups = self.scales.shape[1]
+        return self.out_features * self.in_features // 2 + self.out_features * n_groups * (2 + 0.5)
+
+    def group_quant(self) -> GroupQuant:
+        """The stored weight back in GroupQuant form (original column order), for saving."""
+        q = self.q[:, : self.in_features]
+        if self.perm is not None:
+            q = q[:, torch.argsort(self.perm)]
+        return GroupQuant(q.contiguous(), self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """Float weight [N, K] in the ORIGINAL column order."""
+        g = self.group_size
+        s = self.scales.repeat_interleave(g, dim=1)[:, : self.k_padded]
+        z = self.zeros.repeat_interleave(g, dim=1)[:, : self.k_padded]
+        w = ((self.q.float() - z) * s)[:, : self.in_features]
+        if self.perm is not None:
+            w = w[:, torch.argsort(self.perm)]
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype
+        if self.packed is not None and use_weight_only_kernel(x):
+            xp = (x if self.perm is None else x.index_select(1, self.perm)).to(torch.bfloat16)
+            if self.k_padded != self.in_features:
+                xp = F.pad(xp, (0, self.k_padded - self.in_features))
+            y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.group_size, self.scale_zero)
+        else:
+            y = F.linear(x, self.dequantize().to(x.dtype))     # original column order: no permute
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(out_dtype)
