@@ -189,6 +189,18 @@ def load_tokenizer(path: Path) -> Any:
                 tok.chat_template = template
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tok.save_pretrained(tmp)
-        os.replace(tmp, cache) if not cache.exists() else shutil.rmtree(tmp, ignore_errors=True)
+        _publish_dir(tmp, cache)
         return tok
     return AutoTokenizer.from_pretrained(path)
+
+
+def _publish_dir(tmp: Path, dest: Path) -> None:
+    """Rename a finished `tmp` directory to `dest`. Two processes starting at once may both
+    build it: renaming onto a directory the other just published fails (ENOTEMPTY), and then
+    the other's copy, equally complete, is kept."""
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        if not dest.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
