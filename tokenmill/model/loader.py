@@ -91,7 +91,6 @@ def gguf_config(reader: Any) -> ModelConfig:
     vocab = int(tensors["token_embd.weight"].shape[1])
     eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
-    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -106,7 +105,6 @@ def gguf_config(reader: Any) -> ModelConfig:
         max_position_embeddings=int(a("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
     )
 
