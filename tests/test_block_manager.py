@@ -82,3 +82,19 @@ def test_admit_is_all_or_nothing():
     s = seq(range(20))                        # needs 5 blocks
     assert not bm.admit(s, [], 20)
     assert s.block_table == [] and bm.num_free_blocks == 3
+
+
+def test_readmission_after_preemption_keeps_num_cached_tokens():
+    """A preempted sequence re-admitted onto its own (now cached) blocks did not get those
+    tokens from the prefix cache: usage and metrics must keep the first admission's count."""
+    bm = BlockManager(16, BS)
+    s = seq(range(10))
+    run_prefill(bm, s)
+    assert s.num_cached_tokens == 0
+    bm.free(s)                              # preempted: blocks freed, hashes stay cached
+    s.num_computed_tokens = 0
+    s.num_preemptions += 1
+    cached = bm.find_cached_prefix(s)
+    assert len(cached) == 2
+    assert bm.admit(s, cached, s.num_tokens - len(cached) * BS)
+    assert s.num_computed_tokens == 8 and s.num_cached_tokens == 0

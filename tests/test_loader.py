@@ -121,7 +121,7 @@ def test_llama_gguf(tmp_path: Path, tied: bool) -> None:
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 2, 64, 128)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 16, VOCAB)
     assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == (50000.0, 1e-6, 256)
-    assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, [2])
+    assert cfg.eos_token_ids == [2]
     assert cfg.tie_word_embeddings is tied and ("lm_head.weight" in weights) is not tied
     assert cfg.attention_bias is False
 

@@ -34,7 +34,6 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # q/k/v projections carry a bias (Qwen2)
-    bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -62,7 +61,6 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
 

@@ -1,7 +1,7 @@
 """Results handed back to callers (shaped like vLLM's RequestOutput)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.sequence import TokenLogprobs
 
@@ -38,4 +38,3 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)

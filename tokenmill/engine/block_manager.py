@@ -131,7 +131,10 @@ class BlockManager:
             seq.block_table.append(bid)
         num_cached = len(cached) * self.block_size
         seq.num_computed_tokens = num_cached
-        seq.num_cached_tokens = num_cached
+        # Only the first admission counts: after a preemption the hits are the sequence's own
+        # blocks (recompute savings), not prompt tokens served to the client from the cache.
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_cached

@@ -18,11 +18,6 @@ from tokenmill.sequence import Sequence, SequenceStatus
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)   # (seq, num new tokens)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
@@ -62,16 +57,15 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(seq)
         self.add(seq)
 
-    def _make_room_for_priority(self, out: SchedulerOutput) -> None:
+    def _make_room_for_priority(self) -> None:
         """Priority policy: while the most important waiting sequence cannot be admitted, and a
         less important one runs, preempt the least important running sequence."""
         while self.waiting and self.running:
@@ -86,13 +80,13 @@ class Scheduler:
             chunk = min(chunk, self.max_num_batched_tokens)
             if len(self.running) < self.max_num_seqs and self.bm.can_admit(head, cached, chunk):
                 return
-            self._preempt(worst, out)
+            self._preempt(worst)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         if self.policy == "priority":
-            self._make_room_for_priority(out)
+            self._make_room_for_priority()
         self.running.sort(key=self._key)
         scheduled: set[int] = set()
         memory_short = False
@@ -107,7 +101,7 @@ class Scheduler:
             while not self.bm.grow(seq, n):
                 memory_short = True
                 victim = max((s for s in self.running if s.seq_id not in scheduled), key=self._key)
-                self._preempt(victim, out)
+                self._preempt(victim)
                 if victim is seq:
                     break
             if seq in self.running:

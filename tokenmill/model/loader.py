@@ -91,7 +91,6 @@ def gguf_config(reader: Any) -> ModelConfig:
     vocab = int(tensors["token_embd.weight"].shape[1])
     eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
-    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -106,7 +105,6 @@ def gguf_config(reader: Any) -> ModelConfig:
         max_position_embeddings=int(a("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
     )
 
@@ -189,6 +187,18 @@ def load_tokenizer(path: Path) -> Any:
                 tok.chat_template = template
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tok.save_pretrained(tmp)
-        os.replace(tmp, cache) if not cache.exists() else shutil.rmtree(tmp, ignore_errors=True)
+        _publish_dir(tmp, cache)
         return tok
     return AutoTokenizer.from_pretrained(path)
+
+
+def _publish_dir(tmp: Path, dest: Path) -> None:
+    """Rename a finished `tmp` directory to `dest`. Two processes starting at once may both
+    build it: renaming onto a directory the other just published fails (ENOTEMPTY), and then
+    the other's copy, equally complete, is kept."""
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        if not dest.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
