@@ -39,3 +39,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # params.prompt_logprobs set: one entry per prompt token, entry 0 None (vLLM)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
