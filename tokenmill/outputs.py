@@ -38,3 +38,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # params.prompt_logprobs set: one entry per prompt token, entry 0 None (vLLM)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -13,6 +13,8 @@ class SamplingParams:
     to tokens in the prompt or the output; `presence_penalty`/`frequency_penalty` (0 = off,
     OpenAI semantics) apply to output tokens only. `logprobs` = number of top alternatives
     returned per generated token (None = off); the sampled token's logprob is always included.
+    `prompt_logprobs` = the same for every prompt token given the tokens before it (vLLM's
+    extension; entry 0 of the result is None). Such requests never take prefix-cache hits.
     """
 
     n: int = 1
@@ -27,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -66,8 +69,10 @@ class SamplingParams:
               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
               "min_tokens must be <= max_tokens")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and 0 <= value <= 20),
+                  f"{name} must be an integer in [0, 20], got {value!r}")
         check(0.01 <= self.repetition_penalty <= 100,
               f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")

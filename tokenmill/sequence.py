@@ -19,7 +19,8 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """Logprob of the sampled token plus the top-n alternatives (token id -> logprob)."""
+    """Logprob of the sampled (or, for prompt logprobs, the actual next prompt) token, its rank
+    in the distribution (1 = most likely) and the top-n alternatives (token id -> logprob)."""
 
     token_id: int
     logprob: float
@@ -51,6 +52,9 @@ class Sequence:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # when params.prompt_logprobs is set: entry i = prompt token i given tokens < i (entry 0 None);
+    # grows as prefill chunks run, and is never recomputed after a preemption
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -61,6 +65,8 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,6 +83,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet: every prompt row must run
+        through the model (no prefix-cache hits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

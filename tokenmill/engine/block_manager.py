@@ -69,8 +69,10 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq. At least one token is always
-        left to compute, because the step must produce logits for the next token."""
-        if not self.enable_prefix_caching:
+        left to compute, because the step must produce logits for the next token. A sequence
+        still owed prompt logprobs gets no hit: cached tokens never pass through the lm_head
+        (as in vLLM; it still adds its own blocks to the cache)."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs

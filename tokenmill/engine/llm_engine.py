@@ -205,4 +205,4 @@ class LLMEngine:
                                  first.last_token_time, req.finished_time, first.num_cached_tokens,
                                  sum(s.num_preemptions for s in req.seqs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics,
-                             first.num_cached_tokens)
+                             first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs)

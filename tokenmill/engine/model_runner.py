@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
+from tokenmill.engine.sampler import gather_logprobs
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quant.apply import quantize_model, weight_bytes
 from tokenmill.quant.config import QuantConfig
@@ -16,6 +17,9 @@ from tokenmill.sequence import Sequence
 log = logging.getLogger("tokenmill")
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+# prompt-logprob rows go through the lm_head this many at a time: [rows, V] float32 logits of a
+# 2048-token chunk at V = 152k would be 1.2 GB; 256 rows keep it at ~150 MB
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -70,7 +74,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one forward pass over all scheduled tokens. Returns logits [S, V] for the
-        sequences whose scheduled tokens reach their end (they sample), in scheduled order."""
+        sequences whose scheduled tokens reach their end (they sample), in scheduled order.
+        Sequences owed prompt logprobs also get those of the prompt rows this step ran, appended
+        to `seq.prompt_logprobs` (only those rows, and the sampling rows, reach the lm_head)."""
         bs = self.block_size
         # decode rows (one query token) go first so they share one batched attention call
         order = sorted(scheduled, key=lambda item: item[1] != 1)
@@ -81,9 +87,11 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         sample_rows: dict[int, int] = {}
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []   # (seq, first row, its position, rows)
         for seq, n in order:
             start = seq.num_computed_tokens
             end = start + n
+            base = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -97,6 +105,14 @@ class ModelRunner:
                 prefills.append(PrefillSpan(row - n + 1, row + 1, end, bt))
             if end == seq.num_tokens:
                 sample_rows[seq.seq_id] = row
+            if seq.needs_prompt_logprobs:
+                # the row at position p predicts prompt token p + 1; positions whose entry exists
+                # (recomputed after a preemption) are skipped; the last prompt row samples instead
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                stop = min(end, seq.num_prompt_tokens - 1)
+                assert first == len(seq.prompt_logprobs) - 1, "prompt logprobs need every prompt row"
+                if first < stop:
+                    prompt_spans.append((seq, base + first - start, first, stop - first))
         dev = self.device
         nd = len(decode_tables)
         decode_bt = decode_lens_t = None
@@ -113,5 +129,24 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_caches, meta)
+        if prompt_spans:
+            self._prompt_logprobs(hidden, prompt_spans)
         rows = [sample_rows[seq.seq_id] for seq, _ in scheduled if seq.seq_id in sample_rows]
         return self.model.compute_logits(hidden[torch.tensor(rows, device=dev, dtype=torch.long)])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
+        """Reduce each prompt row to (logprob of the next prompt token, rank, top-n) right after
+        its lm_head slice, so [T, V] logits never exist at once. Raw fp32 logits, as vLLM."""
+        rows = [r for _, row, _, count in spans for r in range(row, row + count)]
+        # the next token may lie past this chunk, so read it from the sequence
+        targets = [t for seq, _, pos, count in spans for t in seq.token_ids[pos + 1:pos + 1 + count]]
+        owner = [seq for seq, _, _, count in spans for _ in range(count)]
+        num_top = [seq.params.prompt_logprobs or 0 for seq in owner]
+        vocab = self.model_cfg.vocab_size
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            sl = slice(i, i + PROMPT_LOGPROBS_ROWS)
+            idx = torch.tensor(rows[sl], device=hidden.device, dtype=torch.long)
+            logits = self.model.compute_logits(hidden[idx])[:, :vocab]
+            ids = torch.tensor(targets[sl], device=hidden.device, dtype=torch.long)
+            for seq, lp in zip(owner[sl], gather_logprobs(logits, ids, num_top[sl])):
+                seq.prompt_logprobs.append(lp)

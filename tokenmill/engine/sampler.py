@@ -245,23 +245,30 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return out
-        xr = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
-        xr = xr.float()
-        # log_softmax(x)[t] = x[t] - logsumexp(x): no need to materialise the full [R, V] log-probs;
-        # ranks and top-n are the same on the raw logits
-        lse = xr.logsumexp(dim=-1, keepdim=True)
-        chosen = ids if len(rows) == len(params) else ids[torch.tensor(rows, device=ids.device)]
-        chosen_x = xr.gather(1, chosen[:, None])
-        ranks = ((xr > chosen_x).sum(dim=-1) + 1).tolist()
-        chosen_ids, chosen_lp = chosen.tolist(), (chosen_x - lse)[:, 0].tolist()
-        nmax = max(params[i].logprobs or 0 for i in rows)
-        top_v: list[list[float]] = [[] for _ in rows]
-        top_i: list[list[int]] = [[] for _ in rows]
-        if nmax:
-            tv, tix = xr.topk(nmax, dim=-1)
-            top_v, top_i = (tv - lse).tolist(), tix.tolist()
-        for r, i in enumerate(rows):
-            k = params[i].logprobs or 0
-            out[i] = TokenLogprobs(token_id=chosen_ids[r], logprob=chosen_lp[r], rank=ranks[r],
-                                   top=dict(zip(top_i[r][:k], top_v[r][:k])))
+        if len(rows) == len(params):
+            xr, chosen = logits, ids
+        else:
+            r = torch.tensor(rows, device=logits.device)
+            xr, chosen = logits[r], ids[r]
+        for i, lp in zip(rows, gather_logprobs(xr, chosen, [params[i].logprobs or 0 for i in rows])):
+            out[i] = lp
         return out
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Per row of raw `logits` [R, V]: logprob and rank of token_ids[r], plus the top num_top[r]
+    alternatives. Math in float32. log_softmax(x)[t] = x[t] - logsumexp(x), so the full [R, V]
+    log-probs are never materialised; ranks and top-n are the same on the raw logits."""
+    x = logits.float()
+    lse = x.logsumexp(dim=-1, keepdim=True)
+    chosen_x = x.gather(1, token_ids[:, None])
+    ranks = ((x > chosen_x).sum(dim=-1) + 1).tolist()
+    chosen_ids, chosen_lp = token_ids.tolist(), (chosen_x - lse)[:, 0].tolist()
+    nmax = max(num_top, default=0)
+    top_v: list[list[float]] = [[] for _ in num_top]
+    top_i: list[list[int]] = [[] for _ in num_top]
+    if nmax:
+        tv, tix = x.topk(nmax, dim=-1)
+        top_v, top_i = (tv - lse).tolist(), tix.tolist()
+    return [TokenLogprobs(token_id=chosen_ids[r], logprob=chosen_lp[r], rank=ranks[r],
+                          top=dict(zip(top_i[r][:k], top_v[r][:k]))) for r, k in enumerate(num_top)]
