@@ -32,7 +32,7 @@ CONFIGS = {
     "guarded": ["--api-key", API_KEY, "--max-num-seqs", "2", "--max-queue-len", "2", "--max-model-len", "128",
                 "--shutdown-timeout", "60"],
 }
-BASE_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "256M", "--dtype", "bfloat16",
+BASE_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "256M", "--dtype", "auto",
              "--served-model-name", SERVED_NAME, "--disable-uvicorn-access-log", "--log-stats-interval", "1"]
 
 

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from tokenmill.config import cpu_has_fast_bf16
+
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
@@ -81,6 +83,9 @@ def test_greedy_matches_hf_under_preemption(reference):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="bf16 without AVX512-BF16/AMX takes another oneDNN path that "
+                    "flips SmolLM2's chat answer (seen on a Zen 3 EPYC, also before the quant work); dtype "
+                    "auto picks float32 on such CPUs")
 def test_bfloat16_follows_fp32_reference(reference):
     """bf16 (fp32 residual stream) must track the fp32 reference: exact on most prompts'
     first tokens. Not token-identical by design: bf16 matmuls round differently."""
