@@ -54,7 +54,7 @@ def _english_convs(n: int, turns: int) -> list[Conversation]:
 def _run(workload: sc.Workload) -> tuple[sc.Groups, dict[str, float], dict[str, float]]:
     srv = get_server("main")
     before = scrape_counters(srv.url)
-    groups, _ = asyncio.run(sc.run_workload(srv.url, SERVED_NAME, load_tokenizer(), workload, seed=3, timeout_s=120))
+    groups, _ = asyncio.run(sc.run_workload(srv.url, SERVED_NAME, load_tokenizer(), workload, seed=3, timeout_s=300))
     return groups, before, scrape_counters(srv.url)
 
 
@@ -82,7 +82,7 @@ def test_multiturn_workload_sends_generated_answers_back() -> None:
 @pytest.mark.slow
 def test_interference_workload_sends_long_prompts_while_streams_decode() -> None:
     w = sc.InterferenceWorkload(num_streams=2, stream_prompt_len=16, stream_output_len=24, long_prompt_len=300,
-                                long_output_len=2, first_long_at_s=0.05, long_every_s=0.1)
+                                long_output_len=2, first_long_at_s=0.05, long_every_s=0.5)
     groups, _, _ = _run(lambda c, seed: sc.interference_workload(c, seed, w))
     streams, longs = groups["stream"], groups["long prompt"]
     assert len(streams) == 2 and all(r.success and r.output_tokens == 24 for r in streams)
