@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.server.errors import error_body
 from tokenmill.server.generation import Generation, engine_error, wait_for_finals
 from tokenmill.server.inputs import completion_inputs
-from tokenmill.server.logprobs import completion_logprobs
+from tokenmill.server.logprobs import completion_logprobs, prompt_logprobs_json
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.sse import DONE, SSEResponse, sse_event
 from tokenmill.server.state import ServerState
@@ -38,14 +38,17 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     for i, out in finals:
         for o in out.outputs:
             prefix = echo[i] if echo else ""
-            choices.append({
+            choice = {
                 "index": i * gen.n + o.index,
                 "text": prefix + o.text,
                 "logprobs": completion_logprobs(o.logprobs, state.token_texts, len(prefix))
                 if o.logprobs is not None else None,
                 "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason,
-            })
+            }
+            if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, state.token_texts)
+            choices.append(choice)
     return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                          "model": model, "choices": choices, "usage": gen.usage().as_dict()})
 

@@ -55,7 +55,8 @@ def _max_tokens(requested: int | None, default: int | None, prompt_len: int, lim
     return requested
 
 
-def _sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, limits: ModelLimits) -> SamplingParams:
+def _sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, limits: ModelLimits,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     if req.n > limits.max_n:
         raise _bad(f"n must be at most {limits.max_n} on this server, got {req.n}", "n")
     if req.logit_bias:      # type: ignore[attr-defined]
@@ -78,6 +79,7 @@ def _sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
@@ -108,6 +110,8 @@ def completion_inputs(req: CompletionRequest, tokenizer: Any, limits: ModelLimit
         raise _bad("best_of other than n is not supported", "best_of")
     if req.n > limits.max_n:
         raise _bad(f"n must be at most {limits.max_n} on this server, got {req.n}", "n")
+    if req.prompt_logprobs is not None and req.stream:     # as vLLM: they come with the final response
+        raise _bad("prompt_logprobs are not available when stream=True", "prompt_logprobs")
     p = req.prompt
     prompts: list[str | list[int]]
     if isinstance(p, str):
@@ -133,7 +137,7 @@ def completion_inputs(req: CompletionRequest, tokenizer: Any, limits: ModelLimit
         _check_ids(ids, limits, "prompt")
         max_tokens = _max_tokens(req.max_tokens if explicit else None, None if explicit else 16,
                                  len(ids), limits, "prompt")
-        params = _sampling_params(req, max_tokens, req.logprobs, limits)
+        params = _sampling_params(req, max_tokens, req.logprobs, limits, req.prompt_logprobs)
         out.append(EngineInput(ids, text, params, req.priority, req.cache_salt))
     return out
 

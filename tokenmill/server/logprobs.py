@@ -47,6 +47,21 @@ def completion_logprobs(lps: list[TokenLogprobs], texts: TokenTexts, text_offset
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs_json(plp: list[TokenLogprobs | None], texts: TokenTexts) -> list[dict[str, Any] | None]:
+    """vLLM's shape: null for the first prompt token, then {token id: {logprob, rank,
+    decoded_token}} holding the actual prompt token first and then the top-n alternatives."""
+    out: list[dict[str, Any] | None] = []
+    for lp in plp:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": texts(lp.token_id)}}
+        for rank, (t, v) in enumerate(lp.top.items(), start=1):
+            entry.setdefault(str(t), {"logprob": _lp(v), "rank": rank, "decoded_token": texts(t)})
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(lps: list[TokenLogprobs], texts: TokenTexts) -> dict[str, Any]:
     def entry(token_id: int, value: float) -> dict[str, Any]:
         tok = texts(token_id)

@@ -61,6 +61,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)   # vLLM extension, non-streaming only
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
