@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.report import write_json
+from tokenmill.bench.report import common_prefix, write_json
 from tokenmill.bench.serve import machine_info
 from tokenmill.bench.sharegpt import HELD_OUT_START, Conversation, load_sharegpt
 from tokenmill.sampling_params import SamplingParams
@@ -118,15 +118,6 @@ def greedy(llm: Any, prompts: list[list[int]], num_tokens: int) -> list[list[int
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def greedy_agreement(ref: list[list[int]], other: list[list[int]], num_tokens: int) -> tuple[float, float]:

@@ -80,3 +80,13 @@ def format_table(summary: dict[str, Any], w: Workload, baseline: str = "hf", tar
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the shared leading run of two token lists (greedy agreement)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

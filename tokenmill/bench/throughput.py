@@ -15,7 +15,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from tokenmill.bench.serve import machine_info
-from tokenmill.bench.report import Sample, Workload, format_table, summarize, write_json
+from tokenmill.bench.report import Sample, Workload, common_prefix, format_table, summarize, write_json
 from tokenmill.bench.sharegpt import Request, sample_requests
 from tokenmill.hub import resolve_model
 
@@ -60,15 +60,6 @@ def _warm_up(runner: Runner, requests: Sequence[Request], prefill_prompt: list[i
     runner.throughput(small, len(small))
     runner.decode(requests[0].prompt_token_ids[:32], 8)
     runner.prefill(prefill_prompt)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,7 +120,7 @@ def _document(args: argparse.Namespace, w: Workload, requests: Sequence[Request]
         "machine": _machine(),
         "workload": asdict(w),
         "hf_generated_tokens_incl_padding": sum(len(b) * max(r.output_len for r in b) for b in hf_batches),
-        "batch1_greedy_common_prefix": (_common_prefix(decoded["hf"], decoded["tokenmill"])
+        "batch1_greedy_common_prefix": (common_prefix(decoded["hf"], decoded["tokenmill"])
                                         if "hf" in decoded else None),
         **summary,
         "table": format_table(summary, w),
