@@ -23,8 +23,6 @@ expanded once at construction (`absmax_f32`, a non-persistent buffer): with bloc
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -32,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger("tokenmill")
+from tokenmill.cpu_extension import load_cpu_extension
+
 
 # bitsandbytes' NF4 table (create_normal_map(offset=0.9677083, use_extra_value=True)): normal
 # quantiles, 8 positive and 7 negative plus an exact 0, scaled to [-1, 1]. `normal_float_codebook`
@@ -72,16 +71,7 @@ def normal_float_codebook(offset: float = 0.9677083) -> torch.Tensor:
 @functools.cache
 def nf4_kernels() -> ModuleType | None:
     """The compiled extension, or None (TOKENMILL_CPU_KERNELS=0 disables it)."""
-    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-        return load(name="tokenmill_nf4_matmul", sources=[str(_SRC)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
-    except Exception as exc:  # no compiler, no AVX2, ...: dequantize + matmul stays correct
-        log.warning("CPU NF4 kernel unavailable (%s); using dequantize + matmul", exc)
-        return None
+    return load_cpu_extension("tokenmill_nf4_matmul", _SRC)
 
 
 def _check_shape(n: int, k: int, block_size: int) -> None:

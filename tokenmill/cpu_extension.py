@@ -1,0 +1,61 @@
+"""Build and load the hand-written CPU kernels (C++ compiled on first use with the system
+compiler), safely across processes, crashes and machines.
+
+torch's `cpp_extension.load` guards its build folder with a lock *file* that a killed process
+leaves behind, after which every later load waits forever (this hung CI for 90 minutes), and it
+keys the cache by source and flags only, so a `-march=native` build from an AVX-512 host would be
+reused on an AVX2 host that shares the home folder and die with SIGILL. So each build lives in a
+folder keyed by source, flags, torch version and the CPU's feature flags, and builders serialize
+on an `flock` (released by the kernel when its holder dies), which lets a stale torch lock file
+be removed safely."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("tokenmill")
+
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+LDFLAGS = ("-fopenmp",)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build_directory(name: str, source: Path) -> Path:
+    key = hashlib.sha256("\0".join([source.read_text(), *CFLAGS, *LDFLAGS, torch.__version__,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
+    return root / f"{name}-{key}"
+
+
+def load_cpu_extension(name: str, source: Path) -> ModuleType | None:
+    """The compiled module, or None when it cannot be built (no compiler, no AVX2, ...) or
+    TOKENMILL_CPU_KERNELS=0; callers then keep their plain-torch path."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        folder = build_directory(name, source)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder.with_suffix(".flock"), "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)          # one builder at a time, released on death
+            (folder / "lock").unlink(missing_ok=True)  # torch's baton, stale if we hold the flock
+            return load(name=name, sources=[str(source)], build_directory=str(folder),
+                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
+    except Exception as exc:
+        log.warning("CPU kernel %s unavailable (%s); using the torch path", name, exc)
+        return None
