@@ -38,7 +38,7 @@ def roundtrip(x: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, arch: str, *, heads: int, kv_heads: int, head_dim: int,
-                    tied: bool, bias: bool, seed: int = 0) -> dict[str, np.ndarray]:
+                    tied: bool, bias: bool, seed: int = 0, extra=None) -> dict[str, np.ndarray]:
     """Write a tiny model and return the HF-named, HF-layout fp32 tensors the loader must yield."""
     rng = np.random.default_rng(seed)
     rand = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
@@ -55,6 +55,8 @@ def write_tiny_gguf(path: Path, arch: str, *, heads: int, kv_heads: int, head_di
     w.add_layer_norm_rms_eps(1e-6)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if extra is not None:   # more keys or tensors: extra(writer)
+        extra(w)
 
     expected: dict[str, np.ndarray] = {}
 

@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.model.rope import RopeScaling
+
+log = logging.getLogger("tokenmill")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -19,7 +25,8 @@ def cpu_has_fast_bf16() -> bool:
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Architecture hyper-parameters, in HF transformers' vocabulary."""
+    """Architecture hyper-parameters, in HF transformers' vocabulary. Built from a checkpoint by
+    tokenmill/model/registry.py (HF) or loader.py (GGUF), which refuse what it cannot express."""
 
     architecture: str                 # "llama" | "qwen2"
     vocab_size: int
@@ -31,38 +38,47 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False      # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False      # q/k/v projections carry a bias (Qwen2; Llama attention_bias)
+    o_proj_bias: bool = False         # the output projection too (Llama attention_bias)
+    mlp_bias: bool = False            # gate/up/down carry biases (Llama mlp_bias)
+    sliding_window: int | None = None # some layer attends only this far back
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF `config.json` dict."""
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"unsupported architecture {model_type!r} (supported: llama, qwen2)")
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
-            architecture="qwen2" if model_type == "qwen2" else "llama",
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-            eos_token_ids=eos_ids,
-        )
+        """Build from a HF `config.json` dict; raises UnsupportedConfig naming any key it cannot honour."""
+        from tokenmill.model.registry import model_config_from_hf
+        return model_config_from_hf(cfg)
+
+    @property
+    def context_length(self) -> int:
+        """The longest context the checkpoint supports (extended by rope scaling where it says so)."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        return self.rope_scaling.context_length(self.max_position_embeddings)
+
+    def resolve_max_model_len(self, requested: int | None) -> int:
+        """The engine's max length: `requested` (vLLM's --max-model-len) or the checkpoint's context.
+        Sliding-window attention is not implemented yet, so a window shorter than the length is
+        refused when the user asked for that length, and caps the length when they did not."""
+        limit = self.context_length
+        if requested is not None and requested > limit:
+            raise ValueError(f"max_model_len={requested} exceeds the model's context length {limit}")
+        length = requested or limit
+        if self.sliding_window is not None and length > self.sliding_window:
+            if requested is not None:
+                raise ValueError(
+                    f"config key 'sliding_window' = {self.sliding_window}: sliding-window attention is not "
+                    f"implemented yet and full attention differs beyond {self.sliding_window} tokens; "
+                    f"use max_model_len <= {self.sliding_window}")
+            log.warning("model attends through a sliding window of %d tokens (not implemented yet): "
+                        "max_model_len capped at %d, where full attention is exact", self.sliding_window,
+                        self.sliding_window)
+            length = self.sliding_window
+        return length
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.hub import resolve_model
-from tokenmill.model.loader import load_model_weights, load_tokenizer
+from tokenmill.model.loader import load_model_weights, load_tokenizer, read_model_config
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
@@ -55,11 +55,10 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(self.device)
         t0 = time.perf_counter()
         path = resolve_model(config.model)
+        self.max_model_len = read_model_config(path).resolve_max_model_len(config.max_model_len)
         model_cfg, weights = load_model_weights(path, self.dtype)
         self.tokenizer = load_tokenizer(path if config.tokenizer is None else resolve_model(config.tokenizer))
         self.model_config = model_cfg
-        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
         self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len)
         del weights
         num_blocks = self.runner.num_blocks

@@ -38,7 +38,7 @@ class ModelRunner:
         model = model.to_empty(device=device).to(dtype)
         if model_cfg.tie_word_embeddings:      # to_empty() materializes tied tensors separately
             model.lm_head.weight = model.embed_tokens.weight
-        model.rope = type(model.rope)(model_cfg.head_dim, max_model_len, model_cfg.rope_theta).to(device)
+        model.rope = type(model.rope).for_model(model_cfg, max_model_len).to(device)   # buffers on meta
         model.load_hf_state_dict(weights)
         self.float_weight_bytes = weight_bytes(model)
         quant = None

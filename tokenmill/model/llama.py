@@ -10,7 +10,8 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention
-from tokenmill.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.model.layers import RMSNorm, silu_and_mul
+from tokenmill.model.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -20,7 +21,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -38,8 +39,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -67,7 +68,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
+        self.rope = RotaryEmbedding.for_model(cfg, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -87,8 +88,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors into every parameter, fusing q/k/v and gate/up. Linears that
-        were already replaced by quantized modules have no parameters left to fill."""
-        missing = []
+        were already replaced by quantized modules have no parameters left to fill (their
+        tensors are theirs to read). Any other tensor the model has no place for is an error:
+        silently dropping, say, a q_norm or a bias would give fluent wrong text."""
+        missing, used = [], set()
         for name, param in self.named_parameters():
             sources = hf_param_sources(name)
             if any(s not in weights for s in sources):
@@ -98,8 +101,27 @@ class LlamaForCausalLM(nn.Module):
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
             param.copy_(tensor)
+            used.update(sources)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
+        if self.cfg.tie_word_embeddings:
+            used.add("lm_head.weight")         # HF saves the tied copy; it is embed_tokens
+        owners = {hf: module for name, module in self.named_modules()
+                  if name and not list(module.children()) for hf in hf_module_sources(name)}
+        unexpected = [n for n in weights if n not in used and not n.endswith(IGNORED_TENSOR_SUFFIXES)
+                      and not _owned_by_parameterless(owners.get(n.rpartition(".")[0]))]
+        if unexpected:
+            raise ValueError(f"checkpoint tensors with no place in the {self.cfg.architecture} model "
+                             f"(their math would be dropped): {sorted(unexpected)[:5]}")
+
+
+# Stored by some older checkpoints and recomputed from the config.
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _owned_by_parameterless(module: nn.Module | None) -> bool:
+    """A quantized module (no nn.Parameters) loads its own tensors."""
+    return module is not None and next(module.parameters(recurse=False), None) is None
 
 
 # Our fused projections and the HF projections they stack, in row order.

@@ -7,11 +7,11 @@ the output state dict plus one fp32 tensor.
 """
 from __future__ import annotations
 
-import os
-import shutil
-
 import json
+import math
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,11 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.model.registry import GGUF_ROPE_TYPES, UnsupportedConfig, check_gguf_keys
+from tokenmill.model.rope import RopeScaling
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+GGUF_ROPE_TENSORS = ("rope_freqs.weight",)
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -75,22 +78,61 @@ def _meta(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _gguf_rope(reader: Any, arch: str, tensors: dict[str, Any]) -> RopeScaling | None:
+    """llama.cpp's rope scaling keys -> the HF-equivalent RopeScaling (same formulas: linear is
+    freq_scale = 1/factor; yarn uses beta_fast 32 / beta_slow 1 and mscale 0.1 ln(factor) + 1
+    times attn_factor; Llama-3 is stored as the per-pair `rope_freqs` divisors)."""
+    def a(key: str, default: Any = None) -> Any:
+        return _meta(reader, f"{arch}.{key}", default)
+
+    kind = a("rope.scaling.type", "none")
+    if kind not in GGUF_ROPE_TYPES:
+        raise UnsupportedConfig(f"GGUF key '{arch}.rope.scaling.type' = {kind!r} is not supported "
+                                f"(supported: {', '.join(GGUF_ROPE_TYPES)})")
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        factors = tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
+    rope_type = GGUF_ROPE_TYPES[kind]
+    if rope_type == "default" and factors is None:
+        return None
+    fields: dict[str, Any] = {"rope_type": rope_type, "freq_factors": factors}
+    if rope_type != "default":
+        fields["factor"] = _f32(a("rope.scaling.factor", 1.0))
+    if rope_type == "yarn":
+        fields["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length",
+                                                           a("context_length", 2048)))
+        fields["beta_fast"] = _f32(a("rope.scaling.yarn_beta_fast", 32.0))
+        fields["beta_slow"] = _f32(a("rope.scaling.yarn_beta_slow", 1.0))
+        attn = a("rope.scaling.attn_factor")
+        if attn is not None:
+            mscale = 1.0 if fields["factor"] <= 1 else 0.1 * math.log(fields["factor"]) + 1.0
+            fields["attention_factor"] = _f32(attn) * mscale
+    return RopeScaling(**fields)
+
+
 def gguf_config(reader: Any) -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.*` keys) and the tensor list."""
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})")
+    check_gguf_keys(arch, list(reader.fields))
     tensors = {t.name: t for t in reader.tensors}
 
     def a(key: str, default: Any = None) -> Any:
         return _meta(reader, f"{arch}.{key}", default)
 
     hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
-    head_dim = a("attention.key_length") or a("rope.dimension_count") or hidden // heads
+    head_dim = int(a("attention.key_length") or a("rope.dimension_count") or hidden // heads)
+    for key in ("rope.dimension_count", "attention.value_length"):
+        if a(key) is not None and int(a(key)) != head_dim:
+            raise UnsupportedConfig(f"GGUF key '{arch}.{key}' = {a(key)} differs from the head size {head_dim} "
+                                    f"(partial rotary / different value heads are not supported)")
     # GGUF shapes are innermost-first: token_embd is [hidden, vocab].
     vocab = int(tensors["token_embd.weight"].shape[1])
     eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos_ids = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    window = a("attention.sliding_window")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -99,12 +141,16 @@ def gguf_config(reader: Any) -> ModelConfig:
         num_layers=int(a("block_count")),
         num_heads=heads,
         num_kv_heads=int(a("attention.head_count_kv", heads)),
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         rms_norm_eps=_f32(a("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=_f32(a("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope(reader, arch, tensors),
         max_position_embeddings=int(a("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        o_proj_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+        sliding_window=None if window is None else int(window),
         eos_token_ids=eos_ids,
     )
 
@@ -117,6 +163,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     cfg = gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name in GGUF_ROPE_TENSORS:   # already in cfg.rope_scaling
+            continue
         name = gguf_to_hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
         # A plain ndarray view skips np.memmap's per-slice overhead: dequantize is ~2x faster.
@@ -145,6 +193,18 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
         for name, w in load_file(f).items():
             weights[name] = w.to(dtype)
     return cfg, weights
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """Only the config (cheap): the engine validates it against its settings before any weight
+    is read."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+        return gguf_config(GGUFReader(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    raise ValueError(f"{path} is neither a .gguf file nor a directory with config.json")
 
 
 def load_model_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
