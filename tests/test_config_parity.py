@@ -45,7 +45,8 @@ VARIANTS = {
     # HF's dynamic NTK re-bases from the longest position of each call: prompt within the
     # original 32 positions, generation well past it
     "dynamic-rope": Variant(transformers.LlamaConfig, {"max_position_embeddings": 32, "rope_scaling": {
-        "rope_type": "dynamic", "factor": 4.0}}, {"rope_scaling": None}, prompt_len=24, steps=40),
+        "rope_type": "dynamic", "factor": 4.0}}, {"rope_scaling": None, "max_position_embeddings": 128},
+        prompt_len=24, steps=40),
     "yarn-rope": Variant(transformers.Qwen2Config, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, **SCALED}},
                          {"rope_scaling": None}),
     "qwen2-bias": Variant(transformers.Qwen2Config, {}, {"attention_bias": False}),

@@ -95,7 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    args.func(args)
+    from tokenmill.config import UnsupportedConfig
+    try:
+        args.func(args)
+    except UnsupportedConfig as exc:   # a user-facing refusal, not a bug: no traceback
+        sys.exit(f"tokenmill: error: {exc}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ def cpu_has_fast_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
+class UnsupportedConfig(ValueError):
+    """A checkpoint (or a setting for it) asks for math tokenmill does not implement."""
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Architecture hyper-parameters, in HF transformers' vocabulary. Built from a checkpoint by
@@ -70,7 +74,7 @@ class ModelConfig:
         length = requested or limit
         if self.sliding_window is not None and length > self.sliding_window:
             if requested is not None:
-                raise ValueError(
+                raise UnsupportedConfig(
                     f"config key 'sliding_window' = {self.sliding_window}: sliding-window attention is not "
                     f"implemented yet and full attention differs beyond {self.sliding_window} tokens; "
                     f"use max_model_len <= {self.sliding_window}")

@@ -11,12 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import ModelConfig, UnsupportedConfig
 from tokenmill.model.rope import ROPE_TYPES, RopeScaling
 
-
-class UnsupportedConfig(ValueError):
-    """A checkpoint asks for math tokenmill does not implement."""
+__all__ = ["UnsupportedConfig", "model_config_from_hf", "check_gguf_keys", "supported_models_markdown"]
 
 
 @dataclass(frozen=True, slots=True)
