@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from tokenmill.bench.machine import machine_header
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.cpu_kernels import paged_decode_kernels
 
@@ -70,6 +72,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    print(machine_header(), flush=True)
     print(f"decode kernel, B={args.batch} context={args.context} bf16: "
           f"{kernel_ms(args.batch, args.context):.3f} ms per layer")
     ms = step_ms(args.batch, args.context)

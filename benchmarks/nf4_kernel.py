@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from tokenmill.bench.machine import machine_header
 import torch.nn.functional as F
 
 from tokenmill.quant.nf4 import NF4Linear, nf4_kernels
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(machine_header(), flush=True)
     if nf4_kernels() is None:
         raise SystemExit("the C++ NF4 kernel is unavailable")
     dtype = getattr(torch, args.dtype)

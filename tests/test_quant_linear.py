@@ -9,6 +9,7 @@ from tokenmill.quant.config import QuantConfig
 from tokenmill.quant.group import rtn_quantize
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
+from tokenmill.quant import kernels
 
 
 def test_rtn4_error_within_half_step():
@@ -32,9 +33,9 @@ def test_int4_paths_agree(k, group, monkeypatch):
     assert lin.packed is not None
     x = torch.randn(8, k)
     reference = x @ lin.dequantize().T + lin.bias
-    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "1000")
+    monkeypatch.setattr(kernels, "_OVERRIDE", 1000)
     small = lin(x)                          # packed int4 kernel (bf16 activations)
-    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "0")
+    monkeypatch.setattr(kernels, "_OVERRIDE", 0)
     large = lin(x)                          # dequantize + GEMM
     scale = reference.abs().max()
     assert (large - reference).abs().max() / scale < 1e-5
@@ -48,9 +49,9 @@ def test_int8_paths_agree(smooth, monkeypatch):
     inv = torch.rand(576) + 0.5 if smooth else None
     lin = Int8Linear.from_float(w, torch.randn(64), smooth_inv=inv)
     x = torch.randn(8, 576)
-    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "1000")
+    monkeypatch.setattr(kernels, "_OVERRIDE", 1000)
     small = lin(x)
-    monkeypatch.setenv("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", "0")
+    monkeypatch.setattr(kernels, "_OVERRIDE", 0)
     large = lin(x)
     xs = x if inv is None else x * inv
     reference = xs @ w.T + lin.bias

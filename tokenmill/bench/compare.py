@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from tokenmill.bench.anchors import ManagedServer, ServerSpec, llama_server_spec, tokenmill_spec
 from tokenmill.bench.metrics_math import parse_sla
-from tokenmill.bench.serve import (load_requests, machine_info, parse_rates, quiet_http_logs, run_rate, save_json,
+from tokenmill.bench.machine import machine_header, machine_info
+from tokenmill.bench.serve import (load_requests, parse_rates, quiet_http_logs, run_rate, save_json,
                                    warm_up)
 from tokenmill.bench.sharegpt import Request
 from tokenmill.hub import resolve_model
@@ -111,6 +112,7 @@ def _specs(args: argparse.Namespace, names: list[str], gguf: Path) -> list[Serve
 
 
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
+    print(machine_header(), flush=True)
     quiet_http_logs()
     names = [n.strip() for n in args.anchors.split(",") if n.strip()]
     gguf = resolve_model(args.model)

@@ -20,12 +20,11 @@ from typing import Any
 import torch
 
 from tokenmill.bench.report import common_prefix, write_json
-from tokenmill.bench.serve import machine_info
+from tokenmill.bench.machine import machine_header, machine_info
 from tokenmill.bench.sharegpt import HELD_OUT_START, Conversation, load_sharegpt
 from tokenmill.sampling_params import SamplingParams
 
 MAX_AGREE_PROMPT_TOKENS = 256
-CPU_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 
 
 @dataclass(slots=True)
@@ -126,15 +125,6 @@ def greedy_agreement(ref: list[list[int]], other: list[list[int]], num_tokens: i
     return sum(p == num_tokens for p in prefixes) / len(prefixes), sum(prefixes) / len(prefixes)
 
 
-def _cpu_flags() -> list[str]:
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    have = set(line.split(":", 1)[1].split())
-    return [f for f in CPU_FLAGS if f in have]
-
-
 def _llm(v: Variant, args: argparse.Namespace, max_model_len: int) -> Any:
     from tokenmill.llm import LLM
     extra = {"quantization": v.quantization} if v.quantization else {}   # only when asked: older configs lack it
@@ -161,10 +151,8 @@ def run_quality_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     variants = parse_variants(args.variants, args.model)
-    machine = {**machine_info(), "cpu_flags": _cpu_flags(), "torch_threads": torch.get_num_threads(),
-               "torch": torch.__version__}
-    print(f"machine: {machine['cpu']} ({machine['cpu_count']} CPUs; {' '.join(machine['cpu_flags']) or '-'}), "
-          f"torch {machine['torch']}, {machine['torch_threads']} threads", flush=True)
+    machine = machine_info()
+    print(machine_header(), flush=True)
     tok = load_tokenizer(resolve_model(variants[0].model))
     held_out = load_sharegpt()[HELD_OUT_START:]
     chunks = eval_chunks(tok, held_out, args.eval_tokens, args.chunk_tokens, args.seed)

@@ -30,7 +30,8 @@ from tokenmill.bench import scenarios as sc
 from tokenmill.bench.args import SCHEDULER_EXPERIMENTS
 from tokenmill.bench.anchors import ManagedServer, tokenmill_spec
 from tokenmill.bench.metrics_math import RequestResult, stat
-from tokenmill.bench.serve import compact_record, machine_info, quiet_http_logs, save_json, warm_up
+from tokenmill.bench.machine import machine_header, machine_info
+from tokenmill.bench.serve import compact_record, quiet_http_logs, save_json, warm_up
 
 Numbers = dict[str, float]
 COUNTERS = ("tokenmill:prefix_cache_queries", "tokenmill:prefix_cache_hits", "tokenmill:num_preemptions")
@@ -175,6 +176,7 @@ def table(exp: Experiment, runs: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def run_scheduler_bench(args: argparse.Namespace) -> dict[str, Any]:
+    print(machine_header(), flush=True)
     from tokenmill.hub import resolve_model
     from tokenmill.model.loader import load_tokenizer
 

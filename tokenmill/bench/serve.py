@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import math
 import os
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +22,7 @@ import httpx
 import numpy as np
 
 from tokenmill.bench.datasets import DatasetConfig, build_requests
+from tokenmill.bench.machine import machine_header, machine_info
 from tokenmill.bench.metrics_math import BenchMetrics, RequestResult, compute_metrics, parse_sla
 from tokenmill.bench.sharegpt import Request
 
@@ -209,17 +208,6 @@ def compact_record(r: RequestResult) -> dict[str, Any]:
     return d
 
 
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
 def served_model(base_url: str) -> str:
     r = httpx.get(base_url + "/v1/models", timeout=10, trust_env=False)
     r.raise_for_status()
@@ -285,6 +273,7 @@ def quiet_http_logs() -> None:
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    print(machine_header(), flush=True)
     quiet_http_logs()
     base_url = args.base_url.rstrip("/")
     model = args.model or served_model(base_url)

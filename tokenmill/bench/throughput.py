@@ -14,7 +14,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from tokenmill.bench.serve import machine_info
+from tokenmill.bench.machine import machine_header, machine_info
 from tokenmill.bench.report import Sample, Workload, common_prefix, format_table, summarize, write_json
 from tokenmill.bench.sharegpt import Request, sample_requests
 from tokenmill.hub import resolve_model
@@ -67,6 +67,7 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.bench.tm_runner import TokenmillRunner
 
     torch.set_num_threads(args.threads)
+    print(machine_header(), flush=True)
     model_path = resolve_model(args.model)
     runners: list[Runner] = []
     if not args.skip_hf:

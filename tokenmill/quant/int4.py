@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant.group import GroupQuant
-from tokenmill.quant.kernels import use_weight_only_kernel
+from tokenmill.quant.kernels import INT4_MAX_ROWS, use_weight_only_kernel
 
 _KERNEL_GROUPS = (32, 64, 128, 256)
 
@@ -83,7 +83,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
-        if self.packed is not None and use_weight_only_kernel(x):
+        if self.packed is not None and use_weight_only_kernel(x, INT4_MAX_ROWS):
             xp = (x if self.perm is None else x.index_select(1, self.perm)).to(torch.bfloat16)
             if self.k_padded != self.in_features:
                 xp = F.pad(xp, (0, self.k_padded - self.in_features))

@@ -5,7 +5,7 @@ packed weight once per call but scale ~linearly with M, while dequantize-then-GE
 pass that writes the whole float weight and then runs at GEMM speed. So small M goes to the
 weight-only kernel and large M to dequantize + GEMM. The crossover was measured with
 `benchmarks/quant_kernels.py` (numbers in benchmarks/README.md); override it with
-TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY for experiments.
+TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY (one limit for all formats) for experiments.
 """
 from __future__ import annotations
 
@@ -14,18 +14,19 @@ import os
 
 import torch
 
-# AMD EPYC (Zen 3, AVX2, 2 threads), all SmolLM2 linears: int8 weight-only 133 ms vs
-# dequant+fp32 GEMM 310 ms at M=32; 537 vs 486 ms at M=128 (benchmarks/README.md).
-_DEFAULT_MAX_M = 96
+# Crossovers from benchmarks/quant_kernels.py (AMD EPYC Zen 3, AVX2, 2 threads, all SmolLM2
+# linears, ms; table in benchmarks/README.md): int8 kernel vs dequant+GEMM 272 vs 355 at M=64,
+# 384 vs 348 at M=128; int4 (group 64) 370 vs 446 at M=128, 965 vs 736 at M=256.
+INT8_MAX_ROWS = 96
+INT4_MAX_ROWS = 160
+_env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
+# read once: this runs for every quantized linear of every step
+_OVERRIDE: int | None = None if _env is None else int(_env)
 
 
-def max_rows_weight_only() -> int:
-    return int(os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY", _DEFAULT_MAX_M))
-
-
-def use_weight_only_kernel(x: torch.Tensor) -> bool:
+def use_weight_only_kernel(x: torch.Tensor, max_rows: int) -> bool:
     """True when x [M, K] should go through the packed weight-only CPU kernel."""
-    return x.device.type == "cpu" and x.shape[0] <= max_rows_weight_only()
+    return x.device.type == "cpu" and x.shape[0] <= (max_rows if _OVERRIDE is None else _OVERRIDE)
 
 
 @functools.cache

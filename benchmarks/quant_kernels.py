@@ -1,0 +1,80 @@
+"""Quantized matmul paths by rows M: where the weight-only kernels stop beating dequantize+GEMM.
+
+All linears of all 30 SmolLM2-135M layers (qkv 576->960, o 576->576, gate_up 576->3072,
+down 1536->576; ~134M weights, so they stream from memory, not cache), random weights, one
+forward of the whole stack per timing, median of 5 rounds. Paths: dense fp32 and bf16 GEMM,
+tokenmill's Int8Linear / Int4Linear (rtn4, group 64) / NF4Linear forced onto their small-M
+kernel or their dequantize+GEMM path, and `torch._int_mm` (W8A8) where the CPU has VNNI/AMX.
+
+    .venv/bin/python benchmarks/quant_kernels.py --rows 1,8,32,64,128 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.bench.machine import machine_header
+from tokenmill.quant import kernels
+from tokenmill.quant.group import rtn_quantize
+from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.int8 import Int8Linear
+from tokenmill.quant.nf4 import NF4Linear
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (out, in) per layer
+LAYERS = 30
+
+
+def timed(fn: Callable[[], None], rounds: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8,32,64,128")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(machine_header(), flush=True)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
+    bf16 = [w.bfloat16() for w in weights]
+    int8 = [Int8Linear.from_float(w, None) for w in weights]
+    int4 = [Int4Linear(rtn_quantize(w, 4, 64), None) for w in weights]
+    nf4 = [NF4Linear.from_float(w, None) for w in weights]
+    fast_int8 = kernels.cpu_has_fast_int8_dot()
+    qint = [m.qweight.t().contiguous() for m in int8] if fast_int8 else []
+
+    header = ["M", "fp32", "bf16", "int8 kernel", "int8 deq+mm", "int4 kernel", "int4 deq+mm", "nf4 kernel",
+              "nf4 deq+mm"] + (["W8A8 _int_mm"] if fast_int8 else [])
+    print(" | ".join(f"{h:>12s}" for h in header))
+    for m_rows in (int(r) for r in args.rows.split(",")):
+        xs = {dt: {k: torch.randn(m_rows, k).to(dt) for k in (576, 1536)} for dt in (torch.float32, torch.bfloat16)}
+        row = [timed(lambda: [F.linear(xs[torch.float32][w.shape[1]], w) for w in weights]),
+               timed(lambda: [F.linear(xs[torch.bfloat16][w.shape[1]], w) for w in bf16])]
+        for mods in (int8, int4):
+            for limit in (10 ** 6, 0):
+                kernels._OVERRIDE = limit
+                row.append(timed(lambda: [m(xs[torch.float32][m.in_features]) for m in mods]))
+        kernels._OVERRIDE = None
+        row.append(timed(lambda: [m.kernel_forward(xs[torch.float32][m.in_features]) for m in nf4]))
+        row.append(timed(lambda: [m.dequant_forward(xs[torch.float32][m.in_features]) for m in nf4]))
+        if fast_int8:
+            xq = {k: torch.randint(-127, 127, (max(m_rows, 17), k), dtype=torch.int8) for k in (576, 1536)}
+            row.append(timed(lambda: [torch._int_mm(xq[q.shape[0]], q) for q in qint]))
+        print(" | ".join([f"{m_rows:>12d}"] + [f"{v:12.2f}" for v in row]), flush=True)
+    print("ms per forward of all 30 layers' linears (median of 5)")
+
+
+if __name__ == "__main__":
+    main()
