@@ -31,6 +31,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     _add_compare_parser(sub)
     _add_scheduler_parser(sub)
     _add_quality_parser(sub)
+    from tokenmill.bench.quant_speed import add_quant_speed_parser
+    add_quant_speed_parser(sub)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
