@@ -16,9 +16,13 @@ class TokenmillRunner:
     def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: int,
                  enable_prefix_caching: bool = False, **engine_kwargs: Any) -> None:
         from tokenmill import LLM
+        from tokenmill.hub import resolve_model
+        from tokenmill.model.loader import read_model_config
 
+        # 2048 covers every benchmark workload; a smaller checkpoint context is the limit then.
+        max_model_len = min(2048, read_model_config(resolve_model(model)).context_length)
         # Prefix caching is off by default: repeats reuse the same prompts, and HF has no cache.
-        self.llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=max_num_seqs,
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                        **engine_kwargs)
 
