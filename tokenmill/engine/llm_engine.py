@@ -19,7 +19,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.hub import resolve_model
-from tokenmill.model.loader import load_model_weights, load_tokenizer
+from tokenmill.model.loader import checkpoint_quant_config, load_model_weights, load_tokenizer
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
@@ -60,7 +60,8 @@ class LLMEngine:
         self.model_config = model_cfg
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len,
+                                  checkpoint_quant=checkpoint_quant_config(path))
         del weights
         num_blocks = self.runner.num_blocks
         if num_blocks * config.block_size < self.max_model_len:
