@@ -186,3 +186,12 @@ def test_qwen2_sliding_window_only_counts_when_used(tmp_path: Path) -> None:
     on = transformers.Qwen2Config(**base, use_sliding_window=True, max_window_layers=1)
     assert ModelConfig.from_hf(off.to_dict()).sliding_window is None
     assert ModelConfig.from_hf(on.to_dict()).sliding_window == 16
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_hf_config_round_trip(name: str) -> None:
+    """The config.json a quantized checkpoint of a GGUF model gets reads back as the same model."""
+    from tokenmill.model.registry import hf_config_from_model, model_config_from_hf
+    variant = VARIANTS[name]
+    cfg = model_config_from_hf(variant.config_cls(**{**COMMON, **variant.overrides}).to_dict())
+    assert model_config_from_hf(hf_config_from_model(cfg)) == cfg

@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | fetch | bench`."""
+"""`tokenmill serve | generate | fetch | bench | quantize`."""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +64,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
         run_throughput_bench(args)
 
 
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from tokenmill.quant.config import QuantConfig
+    from tokenmill.quantize import quantize_to_dir
+    qcfg = QuantConfig(args.method, bits=args.bits, group_size=args.group_size, act_order=args.act_order,
+                       damp_percent=args.damp_percent, alpha=args.alpha, quantize_lm_head=args.quantize_lm_head)
+    print(quantize_to_dir(args.model, qcfg, args.out, calib=args.calib, calib_max_len=args.calib_max_len))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, positional_model=True)
     add_server_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("quantize", help="quantize a model into an HF-layout checkpoint directory")
+    p.add_argument("model", help="known model name, .gguf file or HF directory")
+    p.add_argument("--method", required=True, choices=("int8", "smoothquant", "gptq", "awq", "nf4", "rtn4"))
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=128, help="gptq / awq / rtn4 group (-1: one per row)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: columns in descending Hessian diagonal order")
+    p.add_argument("--damp-percent", type=float, default=0.01, help="GPTQ Hessian dampening")
+    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--calib", default="sharegpt:128", help="sharegpt:N or text:PATH")
+    p.add_argument("--calib-max-len", type=int, default=512, help="tokens per calibration sequence")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("bench", help="benchmarks (offline throughput vs HF transformers)")
     add_bench_args(p)

@@ -19,7 +19,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.hub import resolve_model
-from tokenmill.model.loader import load_model_weights, load_tokenizer, read_model_config
+from tokenmill.model.loader import checkpoint_quant_config, load_model_weights, load_tokenizer, read_model_config
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
@@ -59,7 +59,8 @@ class LLMEngine:
         model_cfg, weights = load_model_weights(path, self.dtype)
         self.tokenizer = load_tokenizer(path if config.tokenizer is None else resolve_model(config.tokenizer))
         self.model_config = model_cfg
-        self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len,
+                                  checkpoint_quant=checkpoint_quant_config(path))
         del weights
         num_blocks = self.runner.num_blocks
         if num_blocks * config.block_size < self.max_model_len:

@@ -9,7 +9,8 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.sampler import gather_logprobs
-from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.llama import LlamaForCausalLM, hf_module_sources, hf_row_sizes
+from tokenmill.quant.checkpoint import load_quantized_linears
 from tokenmill.quant.apply import quantize_model, weight_bytes
 from tokenmill.quant.config import QuantConfig
 from tokenmill.sequence import Sequence
@@ -28,8 +29,11 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
-        """With `config.quantization` the float weights are quantized once they are loaded."""
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 checkpoint_quant: QuantConfig | None = None) -> None:
+        """With `config.quantization` the float weights are quantized once they are loaded.
+        With `checkpoint_quant` (a quantized checkpoint's config) `weights` holds quantized
+        tensors and the quantized modules are built straight from them."""
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
         self.model_cfg = model_cfg
@@ -39,16 +43,24 @@ class ModelRunner:
         if model_cfg.tie_word_embeddings:      # to_empty() materializes tied tensors separately
             model.lm_head.weight = model.embed_tokens.weight
         model.rope = type(model.rope).for_model(model_cfg, max_model_len).to(device)   # buffers on meta
+        quant = None
+        if checkpoint_quant is not None:
+            if config.quantization and config.quantization != checkpoint_quant.method:
+                raise ValueError(f"the checkpoint is quantized with {checkpoint_quant.method}; "
+                                 f"cannot apply --quantization {config.quantization} on top")
+            load_quantized_linears(model, weights, checkpoint_quant, hf_module_sources,
+                                   lambda name: hf_row_sizes(model_cfg, name))
+            model = model.to(device)
+            quant = checkpoint_quant
         model.load_hf_state_dict(weights)
         self.float_weight_bytes = weight_bytes(model)
-        quant = None
-        if config.quantization:
+        if config.quantization and quant is None:
             quant = QuantConfig(config.quantization, quantize_lm_head=config.quantize_lm_head)
             quantize_model(model, quant)
         self.quant = quant
         self.weight_bytes = weight_bytes(model)
         if quant is not None:
-            log.info("weights quantized with %s: %.1f MB (float %s would be %.1f MB)", quant.method,
+            log.info("weights quantized with %s: %.1f MB (float %s: %.1f MB)", quant.method,
                      self.weight_bytes / 1e6, str(dtype).removeprefix("torch."), self.float_weight_bytes / 1e6)
         self.model = model.eval()
         self.num_blocks = self._num_kv_blocks(config)

@@ -142,3 +142,18 @@ def hf_module_sources(module: str) -> list[str]:
 def hf_param_sources(param: str) -> list[str]:
     module, _, kind = param.rpartition(".")
     return [f"{m}.{kind}" for m in hf_module_sources(module)]
+
+
+def hf_row_sizes(cfg: ModelConfig, module: str) -> list[int]:
+    """Rows of each HF projection that `module` stacks, in `hf_module_sources` order."""
+    rest = module.split(".", 2)[2] if module.startswith("layers.") else module
+    if rest == "self_attn.qkv_proj":
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]
+    if rest == "mlp.gate_up_proj":
+        return [cfg.intermediate_size, cfg.intermediate_size]
+    if rest == "lm_head":
+        return [cfg.vocab_size]
+    if rest == "self_attn.o_proj" or rest == "mlp.down_proj":
+        return [cfg.hidden_size]
+    raise ValueError(f"no HF projection layout for {module!r}")

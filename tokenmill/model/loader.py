@@ -184,14 +184,20 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    hf = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(hf)
+    quantized = "quantization_config" in hf
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         for name, w in load_file(f).items():
-            weights[name] = w.to(dtype)
+            # A quantized checkpoint's codes, zeros, scales etc. stay exactly as stored (the
+            # quantized modules are built from them); only float weights/biases take `dtype`.
+            if not quantized or (w.is_floating_point() and name.rpartition(".")[2] in ("weight", "bias")):
+                w = w.to(dtype)
+            weights[name] = w
     return cfg, weights
 
 
@@ -205,6 +211,17 @@ def read_model_config(path: Path) -> ModelConfig:
     if path.is_dir() and (path / "config.json").is_file():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     raise ValueError(f"{path} is neither a .gguf file nor a directory with config.json")
+
+
+def checkpoint_quant_config(path: Path) -> "QuantConfig | None":
+    """The QuantConfig of an HF directory whose config.json has `quantization_config`, else None."""
+    from tokenmill.quant.config import QuantConfig
+
+    path = Path(path)
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    return None if qc is None else QuantConfig.from_hf(qc)
 
 
 def load_model_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -239,6 +239,42 @@ GGUF_HARMLESS = frozenset({"rope.scaling.finetuned", "attention.layer_norm_epsil
 GGUF_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 
 
+def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config.json that `model_config_from_hf` reads back as `cfg` (for a quantized
+    checkpoint of a GGUF model). What HF's layout cannot say is refused by name."""
+    if cfg.rope_scaling is not None and cfg.rope_scaling.freq_factors is not None:
+        raise UnsupportedConfig("GGUF rope_freqs (per-frequency rope factors) have no HF config.json form")
+    qwen2 = cfg.architecture == "qwen2"
+    if (not qwen2 and cfg.attention_bias != cfg.o_proj_bias) or (qwen2 and (not cfg.attention_bias or cfg.o_proj_bias)):
+        raise UnsupportedConfig(f"{cfg.architecture} with q/k/v bias={cfg.attention_bias} and o_proj bias="
+                                f"{cfg.o_proj_bias} has no HF config.json form")
+    out: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"], "model_type": cfg.architecture,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+    if not qwen2:
+        out["attention_bias"] = cfg.attention_bias
+        out["mlp_bias"] = cfg.mlp_bias
+    elif cfg.mlp_bias:
+        raise UnsupportedConfig("qwen2 with MLP biases has no HF config.json form")
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        out["rope_scaling"] = {"rope_type": s.rope_type, **{k: v for k in ROPE_KEYS[s.rope_type]
+                               if k not in ("rope_type", "type", "rope_theta")
+                               and (v := getattr(s, k, None)) is not None}}
+    if cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
+        if qwen2:
+            out.update(use_sliding_window=True, max_window_layers=0)
+    if cfg.eos_token_ids:
+        out["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
+    return out
+
+
 def check_gguf_keys(arch: str, keys: list[str]) -> None:
     prefix = f"{arch}."
     for full in keys:
