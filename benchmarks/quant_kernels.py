@@ -4,7 +4,8 @@ All linears of all 30 SmolLM2-135M layers (qkv 576->960, o 576->576, gate_up 576
 down 1536->576; ~134M weights, so they stream from memory, not cache), random weights, one
 forward of the whole stack per timing, median of 5 rounds. Paths: dense fp32 and bf16 GEMM,
 tokenmill's Int8Linear / Int4Linear (rtn4, group 64) / NF4Linear forced onto their small-M
-kernel or their dequantize+GEMM path, and `torch._int_mm` (W8A8) where the CPU has VNNI/AMX.
+kernel, their tiled dequantize+GEMM (`tiled`, csrc/tiled_dequant_gemm.cpp) or the whole-weight
+dequantize+GEMM path, and `torch._int_mm` (W8A8) where the CPU has VNNI/AMX.
 
     .venv/bin/python benchmarks/quant_kernels.py --rows 1,8,32,64,128 --threads 2
 """
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.bench.machine import machine_header
-from tokenmill.quant import kernels
+from tokenmill.quant import kernels, tiled
 from tokenmill.quant.group import rtn_quantize
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
@@ -55,7 +56,8 @@ def main() -> None:
     fast_int8 = kernels.cpu_has_fast_int8_dot()
     qint = [m.qweight.t().contiguous() for m in int8] if fast_int8 else []
 
-    header = ["M", "fp32", "bf16", "int8 kernel", "int8 deq+mm", "int4 kernel", "int4 deq+mm", "nf4 kernel",
+    header = ["M", "fp32", "bf16", "int8 kernel", "int8 tiled", "int8 deq+mm", "int4 kernel", "int4 tiled",
+              "int4 deq+mm", "nf4 kernel",
               "nf4 deq+mm"] + (["W8A8 _int_mm"] if fast_int8 else [])
     print(" | ".join(f"{h:>12s}" for h in header))
     for m_rows in (int(r) for r in args.rows.split(",")):
@@ -63,10 +65,10 @@ def main() -> None:
         row = [timed(lambda: [F.linear(xs[torch.float32][w.shape[1]], w) for w in weights]),
                timed(lambda: [F.linear(xs[torch.bfloat16][w.shape[1]], w) for w in bf16])]
         for mods in (int8, int4):
-            for limit in (10 ** 6, 0):
-                kernels._OVERRIDE = limit
+            for limit, tiles in ((10 ** 6, True), (0, True), (0, False)):
+                kernels._OVERRIDE, tiled._ENABLED = limit, tiles
                 row.append(timed(lambda: [m(xs[torch.float32][m.in_features]) for m in mods]))
-        kernels._OVERRIDE = None
+        kernels._OVERRIDE, tiled._ENABLED = None, True
         row.append(timed(lambda: [m.kernel_forward(xs[torch.float32][m.in_features]) for m in nf4]))
         row.append(timed(lambda: [m.dequant_forward(xs[torch.float32][m.in_features]) for m in nf4]))
         if fast_int8:

@@ -60,6 +60,54 @@ def test_int8_paths_agree(smooth, monkeypatch):
     assert (large - reference).abs().max() / scale < 3e-2
 
 
+def _tiled_available() -> bool:
+    from tokenmill.quant.tiled import tiled_kernels
+    has_avx2 = " avx2" in open("/proc/cpuinfo").read() and " fma" in open("/proc/cpuinfo").read()
+    assert tiled_kernels() is not None or not has_avx2, "tiled kernel failed to build on an AVX2 host"
+    return tiled_kernels() is not None
+
+
+@pytest.mark.parametrize("n,k,group,act_order", [(960, 576, 64, False), (50, 576, 128, True),
+                                                  (576, 1536, 32, False), (40, 64, -1, False)])
+def test_int4_tiled_matches_whole_weight_dequant(n, k, group, act_order, monkeypatch):
+    """Large-M path: the tiled C++ dequantize+GEMM against dequantize-everything + F.linear,
+    with padding (576 with group 128), act-order permutation and N not a multiple of the tile."""
+    from tokenmill.quant import tiled
+    from tokenmill.quant.gptq import gptq_quantize
+    if not _tiled_available():
+        pytest.skip("no tiled kernel on this CPU")
+    torch.manual_seed(2)
+    w = torch.randn(n, k)
+    x = torch.randn(300, k)
+    if act_order:
+        gq = gptq_quantize(w, x.T @ x / 300 + torch.diag(torch.rand(k)), 4, group, act_order=True)
+        assert not torch.equal(gq.g_idx, torch.sort(gq.g_idx).values)
+    else:
+        gq = rtn_quantize(w, 4, k if group == -1 else group)
+    lin = Int4Linear(gq, torch.randn(n))
+    monkeypatch.setattr(kernels, "_OVERRIDE", 0)
+    got = lin(x[:40])
+    monkeypatch.setattr(tiled, "_ENABLED", False)
+    ref = lin(x[:40])
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_int8_tiled_matches_whole_weight_dequant(smooth, monkeypatch):
+    from tokenmill.quant import tiled
+    if not _tiled_available():
+        pytest.skip("no tiled kernel on this CPU")
+    torch.manual_seed(3)
+    w = torch.randn(200, 576)
+    lin = Int8Linear.from_float(w, torch.randn(200), smooth_inv=torch.rand(576) + 0.5 if smooth else None)
+    x = torch.randn(33, 576)
+    monkeypatch.setattr(kernels, "_OVERRIDE", 0)
+    got = lin(x)
+    monkeypatch.setattr(tiled, "_ENABLED", False)
+    ref = lin(x)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("method", ["int8", "rtn4", "nf4"])
 def test_quantized_tiny_model_logits_near_float(method):
     from tests.test_model_runner import make_runner

@@ -41,7 +41,7 @@ from tokenmill.quant import formats
 from tokenmill.quant.apply import quantizable_linears, replace_module
 from tokenmill.quant.config import QuantConfig
 from tokenmill.quant.group import GroupQuant, default_g_idx
-from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.int4 import Int4Linear, pack_q4, unpack_q4
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.nf4 import NF4Linear
 
@@ -54,18 +54,6 @@ QUANT_MODULES = (Int4Linear, Int8Linear, NF4Linear)
 def read_quant_config(hf_config: dict[str, Any]) -> QuantConfig | None:
     qc = hf_config.get("quantization_config")
     return None if qc is None else QuantConfig.from_hf(qc)
-
-
-# ---- rtn4 own packing ------------------------------------------------------------------------
-def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    if q.shape[1] % 2:
-        q = torch.nn.functional.pad(q, (0, 1))
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
-
-
-def unpack_q4(packed: torch.Tensor, k: int) -> torch.Tensor:
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-    return q[:, :k].contiguous()
 
 
 # ---- encode: one quantized module -> tensors per HF projection -------------------------------

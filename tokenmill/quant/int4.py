@@ -14,8 +14,21 @@ from torch import nn
 
 from tokenmill.quant.group import GroupQuant
 from tokenmill.quant.kernels import INT4_MAX_ROWS, use_weight_only_kernel
+from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
 _KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15) -> [N, ceil(K/2)]: column 2i in the low nibble of byte i."""
+    if q.shape[1] % 2:
+        q = F.pad(q, (0, 1))
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    return q[:, :k].contiguous()
 
 
 class Int4Linear(nn.Module):
@@ -45,9 +58,10 @@ class Int4Linear(nn.Module):
         n_groups = self.k_padded // g
         scales = gq.scales[:, :n_groups].float()
         zeros = gq.zeros[:, :n_groups].float()
-        self.register_buffer("q", q.contiguous())             # uint8 [N, Kp]: dequant / CUDA path
+        self.register_buffer("q4", pack_q4(q.to(torch.uint8)))   # [N, Kp/2]: tiled / dequant paths
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
+        self.register_buffer("offsets", (-zeros * scales).contiguous())   # w = q * s + offset
         # torch's packer also wants N divisible by 16; other shapes take the dequantize path
         use_kernel = g in _KERNEL_GROUPS and q.device.type == "cpu" and self.out_features % 16 == 0
         self.register_buffer("packed", None)
@@ -66,7 +80,7 @@ class Int4Linear(nn.Module):
 
     def group_quant(self) -> GroupQuant:
         """The stored weight back in GroupQuant form (original column order), for saving."""
-        q = self.q[:, : self.in_features]
+        q = unpack_q4(self.q4, self.in_features)
         if self.perm is not None:
             q = q[:, torch.argsort(self.perm)]
         return GroupQuant(q.contiguous(), self.scales, self.zeros, self.g_idx, self.bits, self.group_size)
@@ -76,18 +90,26 @@ class Int4Linear(nn.Module):
         g = self.group_size
         s = self.scales.repeat_interleave(g, dim=1)[:, : self.k_padded]
         z = self.zeros.repeat_interleave(g, dim=1)[:, : self.k_padded]
-        w = ((self.q.float() - z) * s)[:, : self.in_features]
+        w = ((unpack_q4(self.q4, self.k_padded).float() - z) * s)[:, : self.in_features]
         if self.perm is not None:
             w = w[:, torch.argsort(self.perm)]
         return w
 
+    def _kernel_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x in the packed weight's column order and width (group order, zero padded)."""
+        xp = (x if self.perm is None else x.index_select(1, self.perm)).to(dtype)
+        if self.k_padded != self.in_features:
+            xp = F.pad(xp, (0, self.k_padded - self.in_features))
+        return xp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
         if self.packed is not None and use_weight_only_kernel(x, INT4_MAX_ROWS):
-            xp = (x if self.perm is None else x.index_select(1, self.perm)).to(torch.bfloat16)
-            if self.k_padded != self.in_features:
-                xp = F.pad(xp, (0, self.k_padded - self.in_features))
+            xp = self._kernel_input(x, torch.bfloat16)
             y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.group_size, self.scale_zero)
+        elif tiled_supported(x, self.k_padded, self.group_size):
+            xp = self._kernel_input(x, torch.float32)
+            y = tiled_linear(xp, self.q4, self.scales, self.offsets, None, 4, self.group_size)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))     # original column order: no permute
         if self.bias is not None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant.kernels import INT8_MAX_ROWS, cpu_has_fast_int8_dot, use_weight_only_kernel
+from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +63,8 @@ class Int8Linear(nn.Module):
             y = self._w8a8(x)
         elif use_weight_only_kernel(x, INT8_MAX_ROWS):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16)
+        elif tiled_supported(x, self.in_features, self.in_features):
+            y = self._tiled(x)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))
         if self.bias is not None:
@@ -79,4 +82,10 @@ class Int8Linear(nn.Module):
         # bf16/fp32 and fp32 accumulates them exactly while a sum stays below 2^24.
         if use_weight_only_kernel(x, INT8_MAX_ROWS):
             return torch._weight_int8pack_mm(qx.to(torch.bfloat16), self.qweight, self.scale_bf16).float() * sx
+        if tiled_supported(x, self.in_features, self.in_features):
+            return self._tiled(qx) * sx
         return F.linear(qx, self.qweight.float()) * sx * self.scale
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ (q * scale)^T, tile by tile: one group per row (group = K), no offset."""
+        return tiled_linear(x, self.qweight, self.scale, None, None, 8, self.in_features)

@@ -1,9 +1,9 @@
 """Which matmul path a quantized linear takes, by device and by the number of rows M.
 
 The weight-only CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) stream the
-packed weight once per call but scale ~linearly with M, while dequantize-then-GEMM pays one
-pass that writes the whole float weight and then runs at GEMM speed. So small M goes to the
-weight-only kernel and large M to dequantize + GEMM. The crossover was measured with
+packed weight once per call but scale ~linearly with M, while the tiled dequantize + GEMM
+(tiled.py) decodes an L2-sized tile of rows and then runs at GEMM speed. So small M goes to the
+weight-only kernel and large M to the tiled GEMM (or, without it, whole-weight dequantize + GEMM). The crossover was measured with
 `benchmarks/quant_kernels.py` (numbers in benchmarks/README.md); override it with
 TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY (one limit for all formats) for experiments.
 """
@@ -15,10 +15,10 @@ import os
 import torch
 
 # Crossovers from benchmarks/quant_kernels.py (AMD EPYC Zen 3, AVX2, 2 threads, all SmolLM2
-# linears, ms; table in benchmarks/README.md): int8 kernel vs dequant+GEMM 272 vs 355 at M=64,
-# 384 vs 348 at M=128; int4 (group 64) 370 vs 446 at M=128, 965 vs 736 at M=256.
-INT8_MAX_ROWS = 96
-INT4_MAX_ROWS = 160
+# linears, ms; table in benchmarks/README.md): int8 kernel vs tiled 34.1 vs 37.1 at M=8,
+# 71.3 vs 51.7 at M=16; int4 (group 64) 44.8 vs 52.0 at M=8, 82.6 vs 45.1 at M=16.
+INT8_MAX_ROWS = 12
+INT4_MAX_ROWS = 12
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)

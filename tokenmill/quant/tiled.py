@@ -1,0 +1,34 @@
+"""Large-M path for integer weights: dequantize one L2-sized tile of output rows at a time and
+multiply it right away (csrc/tiled_dequant_gemm.cpp), instead of writing the whole fp32 weight
+to memory first. Measured in benchmarks/quant_kernels.py (`tiled` columns)."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from tokenmill.cpu_extension import load_cpu_extension
+
+_SRC = Path(__file__).parent / "csrc" / "tiled_dequant_gemm.cpp"
+# TOKENMILL_TILED_DEQUANT=0 keeps the whole-weight dequantize + GEMM (benchmarks and tests flip this)
+_ENABLED = os.environ.get("TOKENMILL_TILED_DEQUANT", "1") != "0"
+
+
+@functools.cache
+def tiled_kernels() -> ModuleType | None:
+    """The compiled extension, or None (no AVX2/compiler, or TOKENMILL_CPU_KERNELS=0)."""
+    return load_cpu_extension("tokenmill_tiled_dequant_gemm", _SRC)
+
+
+def tiled_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
+    return (_ENABLED and x.device.type == "cpu" and group_size % 32 == 0 and k % group_size == 0
+            and tiled_kernels() is not None)
+
+
+def tiled_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 bias: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+    """x [M, K] @ W^T + bias with W = codes * scale + offset per group (see the C++ header)."""
+    return tiled_kernels().tiled_dequant_linear(x, codes, scale, offset, bias, bits, group_size)
