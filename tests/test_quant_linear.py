@@ -108,6 +108,28 @@ def test_int8_tiled_matches_whole_weight_dequant(smooth, monkeypatch):
     assert (got - ref).abs().max() / ref.abs().max() < 1e-5
 
 
+def test_tiled_kernel_inside_inference_mode():
+    """The runner calls linears under torch.inference_mode; the kernel's worker threads write the
+    output in place and must inherit that mode (they did not: every tile off the caller's thread
+    raised 'Inplace update to inference tensor outside InferenceMode')."""
+    from tokenmill.quant import tiled
+    if not _tiled_available():
+        pytest.skip("no tiled kernel on this CPU")
+    torch.manual_seed(4)
+    k, n = 1536, 2048                                  # several 384 KiB tiles, so both threads work
+    lin = Int4Linear(rtn_quantize(torch.randn(n, k), 4, 64), None)
+    x = torch.randn(64, k)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref = lin(x)
+        with torch.inference_mode():
+            got = lin(x)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("method", ["int8", "rtn4", "nf4"])
 def test_quantized_tiny_model_logits_near_float(method):
     from tests.test_model_runner import make_runner

@@ -92,7 +92,11 @@ torch::Tensor tiled_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::
   const uint8_t* c = static_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scale.data_ptr<float>();
   const float* o = off.defined() ? off.data_ptr<float>() : nullptr;
+  // InferenceMode is thread-local and parallel_for's workers do not inherit it: without this, the
+  // in-place mm_out into an inference tensor `out` fails on every thread but the caller's.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);
     std::vector<float> buf(nt_max * K);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * nt_max, nt = std::min(nt_max, N - n0);
