@@ -57,7 +57,7 @@ def main() -> None:
     qint = [m.qweight.t().contiguous() for m in int8] if fast_int8 else []
 
     header = ["M", "fp32", "bf16", "int8 kernel", "int8 tiled", "int8 deq+mm", "int4 kernel", "int4 tiled",
-              "int4 deq+mm", "nf4 kernel",
+              "int4 deq+mm", "nf4 kernel", "nf4 tiled",
               "nf4 deq+mm"] + (["W8A8 _int_mm"] if fast_int8 else [])
     print(" | ".join(f"{h:>12s}" for h in header))
     for m_rows in (int(r) for r in args.rows.split(",")):
@@ -70,6 +70,7 @@ def main() -> None:
                 row.append(timed(lambda: [m(xs[torch.float32][m.in_features]) for m in mods]))
         kernels._OVERRIDE, tiled._ENABLED = None, True
         row.append(timed(lambda: [m.kernel_forward(xs[torch.float32][m.in_features]) for m in nf4]))
+        row.append(timed(lambda: [m.tiled_forward(xs[torch.float32][m.in_features]) for m in nf4]))
         row.append(timed(lambda: [m.dequant_forward(xs[torch.float32][m.in_features]) for m in nf4]))
         if fast_int8:
             xq = {k: torch.randint(-127, 127, (max(m_rows, 17), k), dtype=torch.int8) for k in (576, 1536)}

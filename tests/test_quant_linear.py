@@ -144,6 +144,7 @@ def test_quantized_tiny_model_logits_near_float(method):
     ref = runner.execute([(seq, seq.num_tokens)])
     quantize_model(runner.model, QuantConfig(method, group_size=32, block_size=64))
     assert weight_bytes(runner.model) < float_bytes
+    assert weight_bytes(runner.model, as_float=torch.float32) == float_bytes   # the start-up log's "float" size
     got = runner.execute([(seq, seq.num_tokens)])
     rel = (got - ref).norm() / ref.norm()
     assert rel < {"int8": 0.02, "rtn4": 0.25, "nf4": 0.25}[method], rel

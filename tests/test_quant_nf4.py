@@ -89,6 +89,24 @@ def test_kernel_matches_dequant_path(m: int, with_bias: bool, dtype: torch.dtype
     assert torch.allclose(got.float(), path.float(), rtol=4 * tol, atol=4 * tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("m", [33, 70])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_tiled_path_matches_dequant_path(m: int, with_bias: bool) -> None:
+    """Large M: the tiled dequantize+GEMM (bitsandbytes nibble order, the code-book lookup) against
+    the exact fp32 dequantized weight; N = 700 is not a multiple of the tile."""
+    from tokenmill.quant.tiled import tiled_kernels
+    if tiled_kernels() is None:
+        pytest.skip("tiled kernel unavailable")
+    w = _weight(n=700, k=576)
+    bias = torch.randn(700) if with_bias else None
+    lin = NF4Linear.from_float(w, bias)
+    x = torch.randn(m, 576)
+    ref = F.linear(x, _torch_dequant(lin), bias)
+    got = lin(x)                                               # m > KERNEL_MAX_ROWS: the tiled path
+    assert torch.allclose(lin.tiled_forward(x), got)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
 def test_fallback_without_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     lin = NF4Linear.from_float(_weight(), torch.randn(96))
     x = torch.randn(2, 128)

@@ -53,7 +53,7 @@ class ModelRunner:
             model = model.to(device)
             quant = checkpoint_quant
         model.load_hf_state_dict(weights)
-        self.float_weight_bytes = weight_bytes(model)
+        self.float_weight_bytes = weight_bytes(model, as_float=dtype)
         if config.quantization and quant is None:
             quant = QuantConfig(config.quantization, quantize_lm_head=config.quantize_lm_head)
             quantize_model(model, quant)

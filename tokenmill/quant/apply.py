@@ -53,13 +53,15 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> None:
         replace_module(model, name, quantize_linear(linear, cfg))
 
 
-def weight_bytes(model: nn.Module) -> int:
+def weight_bytes(model: nn.Module, as_float: torch.dtype | None = None) -> int:
     """Bytes of all weights as stored: quantized modules report their packed size, float
-    parameters count dtype bytes (tied tensors once)."""
+    parameters count dtype bytes (tied tensors once). With `as_float`, quantized modules count
+    as float weights of that dtype (the size before quantization)."""
     total, seen = 0, set()
     for module in model.modules():
         if hasattr(module, "weight_bytes"):
-            total += int(module.weight_bytes())
+            total += int(module.weight_bytes() if as_float is None else
+                         module.out_features * module.in_features * as_float.itemsize)
             bias = getattr(module, "bias", None)
             total += 0 if bias is None else bias.numel() * bias.element_size()
             seen.update(id(b) for b in module.buffers())

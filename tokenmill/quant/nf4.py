@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.quant.tiled import tiled_nf4_linear, tiled_supported
 
 
 # bitsandbytes' NF4 table (create_normal_map(offset=0.9677083, use_extra_value=True)): normal
@@ -101,8 +102,8 @@ def _expand_absmax(q: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor) -> 
 
 class NF4Linear(nn.Module):
     """y = x @ W^T + b with W in NF4. Few rows (decode): a C++ kernel streams the packed codes
-    once, decoding in registers; many rows (prefill) or no kernel / CUDA: dequantize to x's
-    dtype and matmul. Both compute in x's dtype class (fp32 accumulation in the kernel)."""
+    once, decoding in registers; many rows (prefill): the tiled dequantize+GEMM (quant/tiled.py);
+    no kernel / CUDA: dequantize to x's dtype and matmul. Both compute in x's dtype class (fp32 accumulation in the kernel)."""
 
     def __init__(self, codes: torch.Tensor, absmax_parts: dict[str, torch.Tensor], bias: torch.Tensor | None,
                  out_features: int, in_features: int, block_size: int, double_quant: bool) -> None:
@@ -174,12 +175,21 @@ class NF4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         use_kernel = (x2.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
                       and self._kernel_ok() and nf4_kernels() is not None)
-        y = self.kernel_forward(x2) if use_kernel else self.dequant_forward(x2)
+        if use_kernel:
+            y = self.kernel_forward(x2)
+        elif self._kernel_ok() and tiled_supported(x2, self.in_features, self.block_size):
+            y = self.tiled_forward(x2)
+        else:
+            y = self.dequant_forward(x2)
         return y.view(*lead, self.out_features)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32/bf16 on CPU, kernel compiled: the streaming kernel (fp32 accumulation)."""
         return nf4_kernels().nf4_linear(x, self.codes, self._absmax(), self.table, self.bias, self.block_size)
+
+    def tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] on CPU, tiled kernel compiled: decode an L2-sized tile of rows, multiply it."""
+        return tiled_nf4_linear(x, self.codes, self._absmax(), self.table, self.bias, self.block_size)
 
     def dequant_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K]: dequantize to x's dtype, then one GEMM. Always available."""

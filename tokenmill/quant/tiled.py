@@ -1,4 +1,4 @@
-"""Large-M path for integer weights: dequantize one L2-sized tile of output rows at a time and
+"""Large-M path for integer and NF4 weights: dequantize one L2-sized tile of output rows at a time and
 multiply it right away (csrc/tiled_dequant_gemm.cpp), instead of writing the whole fp32 weight
 to memory first. Measured in benchmarks/quant_kernels.py (`tiled` columns)."""
 from __future__ import annotations
@@ -32,3 +32,9 @@ def tiled_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offs
                  bias: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
     """x [M, K] @ W^T + bias with W = codes * scale + offset per group (see the C++ header)."""
     return tiled_kernels().tiled_dequant_linear(x, codes, scale, offset, bias, bits, group_size)
+
+
+def tiled_nf4_linear(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                     bias: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """x [M, K] @ W^T + bias with W = table[code] * absmax per block (NF4, bitsandbytes order)."""
+    return tiled_kernels().tiled_nf4_linear(x, codes, absmax, table, bias, block_size)
