@@ -172,17 +172,25 @@ def run_quality_bench(args: argparse.Namespace) -> dict[str, Any]:
             ref_tokens = tokens
         results.append(VariantResult(v.label, v.model, v.quantization, getattr(llm.engine.runner, "weight_bytes", None),
                                      ppl, nll, n, agree, prefix, time.perf_counter() - t0))
-        print(f"[quality {time.strftime('%H:%M:%S')}] {v.label}: PPL {ppl:.3f} over {n} tokens", flush=True)
+        print(f"[quality {time.strftime('%H:%M:%S')}] {v.label}: PPL {ppl:.3f} over {n} tokens, "
+              f"agreement {agree}, mean common prefix {prefix}", flush=True)
         del llm
-    table = format_table(results)
+        doc = _write(args, machine, len(chunks), results)    # after every variant: long runs keep what they measured
     print(f"\nheld-out ShareGPT quality: {len(chunks)} chunks, {results[0].predicted_tokens} predicted tokens; "
           f"greedy agreement on {len(prompts)} prompts x {args.agree_tokens} tokens, {args.dtype}\n")
-    print(table, flush=True)
+    print(doc["table"], flush=True)
+    print(f"wrote {_output_path(args)}")
+    return doc
+
+
+def _output_path(args: argparse.Namespace) -> Path:
+    return Path(args.output_json or f"benchmarks/results/quality_{Path(args.model).stem}.json")
+
+
+def _write(args: argparse.Namespace, machine: dict, num_chunks: int, results: list[VariantResult]) -> dict:
     doc = {"benchmark": "quality", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "config": {k: v for k, v in vars(args).items() if k != "func"}, "machine": machine,
-           "held_out_start": HELD_OUT_START, "num_chunks": len(chunks),
-           "results": [asdict(r) for r in results], "table": table}
-    out = args.output_json or f"benchmarks/results/quality_{Path(args.model).stem}.json"
-    write_json(Path(out), doc)
-    print(f"wrote {out}")
+           "held_out_start": HELD_OUT_START, "num_chunks": num_chunks,
+           "results": [asdict(r) for r in results], "table": format_table(results)}
+    write_json(_output_path(args), doc)
     return doc
