@@ -52,7 +52,9 @@ ABSMAX_GROUP = 256   # absmax values sharing one fp32 scale in the second level
 # The kernel costs ~4 ms per extra row (decode reused over 4-row tiles), deq+mm a flat ~140-200 ms
 # (writing then re-reading 425 MB of fp32), so they cross between 32 and 64 rows; 32 keeps the
 # kernel only where it won in every run.
-KERNEL_MAX_ROWS = 32
+# Against the tiled dequantize+GEMM (benchmarks/quant_kernels.py, 2026-12-04 12:59, ms kernel / tiled):
+#   M=8: 24.3 / 36.9   M=12: 47.4 / 47.2   M=16: 48.4 / 47.8   M=24: 95.4 / 60.6   M=32: 97.8 / 68.8
+KERNEL_MAX_ROWS = 12
 
 _SRC = Path(__file__).parent / "csrc" / "nf4_matmul.cpp"
 
