@@ -45,15 +45,10 @@ NF4_CODEBOOK = (
 )
 ABSMAX_GROUP = 256   # absmax values sharing one fp32 scale in the second level
 
-# Rows M up to which the streaming kernel beats dequantize + GEMM, from benchmarks/nf4_kernel.py
-# (SmolLM2-135M, all 30 layers, fp32, 2 Zen3 threads, ms; dense fp32 / NF4 kernel / NF4 deq+mm):
-#   M=1: 43 / 11.9 / 227   M=8: 81 / 34 / 145   M=16: 90 / 67 / 232   M=24: 84 / 84 / 173
-#   M=32: 99-107 / 127 / 141-190   M=48: 156 / 185 / 212   M=64: 148 / 260 / 154
-# The kernel costs ~4 ms per extra row (decode reused over 4-row tiles), deq+mm a flat ~140-200 ms
-# (writing then re-reading 425 MB of fp32), so they cross between 32 and 64 rows; 32 keeps the
-# kernel only where it won in every run.
-# Against the tiled dequantize+GEMM (benchmarks/quant_kernels.py, 2026-12-04 12:59, ms kernel / tiled):
-#   M=8: 24.3 / 36.9   M=12: 47.4 / 47.2   M=16: 48.4 / 47.8   M=24: 95.4 / 60.6   M=32: 97.8 / 68.8
+# Rows M up to which the streaming kernel beats the tiled dequantize+GEMM (quant/tiled.py), from
+# benchmarks/quant_kernels.py (SmolLM2-135M, all 30 layers, fp32, 2 Zen3 threads, 2026-12-04 12:59,
+# ms kernel / tiled): M=8: 24.3 / 36.9   M=12: 47.4 / 47.2   M=16: 48.4 / 47.8   M=24: 95.4 / 60.6
+# M=32: 97.8 / 68.8. The kernel costs ~4 ms per extra row (decode reused over 4-row tiles).
 KERNEL_MAX_ROWS = 12
 
 _SRC = Path(__file__).parent / "csrc" / "nf4_matmul.cpp"
@@ -105,7 +100,8 @@ def _expand_absmax(q: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor) -> 
 class NF4Linear(nn.Module):
     """y = x @ W^T + b with W in NF4. Few rows (decode): a C++ kernel streams the packed codes
     once, decoding in registers; many rows (prefill): the tiled dequantize+GEMM (quant/tiled.py);
-    no kernel / CUDA: dequantize to x's dtype and matmul. Both compute in x's dtype class (fp32 accumulation in the kernel)."""
+    no kernels / CUDA: dequantize to x's dtype and matmul. All compute in x's dtype class (fp32
+    accumulation in the kernels)."""
 
     def __init__(self, codes: torch.Tensor, absmax_parts: dict[str, torch.Tensor], bias: torch.Tensor | None,
                  out_features: int, in_features: int, block_size: int, double_quant: bool) -> None:
@@ -179,7 +175,7 @@ class NF4Linear(nn.Module):
                       and self._kernel_ok() and nf4_kernels() is not None)
         if use_kernel:
             y = self.kernel_forward(x2)
-        elif self._kernel_ok() and tiled_supported(x2, self.in_features, self.block_size):
+        elif tiled_supported(x2, self.in_features, self.block_size):
             y = self.tiled_forward(x2)
         else:
             y = self.dequant_forward(x2)
