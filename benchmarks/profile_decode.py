@@ -1,89 +1,197 @@
-"""Where a decode step's time goes: engine step time at batch B, and a torch.profiler split of
-that step into matmuls, attention, elementwise ops and everything else (Python, scheduler,
-sampler, detokenizer).
+"""Where one decode step's time goes, batch 1 and batch 32: the split issue #10 asks for.
 
-    .venv/bin/python benchmarks/profile_decode.py --batch 1 --quantization rtn4
+Two passes over the same steady decode state (every sequence past its prompt):
+1. plain timing (no profiler): wall time per engine step, cut into scheduler, runner batch
+   building, model forward, lm_head, sampler and the engine's output/detokenize work by
+   perf_counter wrappers around those calls (no change to the hot path itself);
+2. torch.profiler over more steps: self CPU time of every aten/custom op inside the step,
+   grouped into matmul kernels (decoder linears + lm_head), attention (cache write + paged
+   decode kernel), and the other ops (norms, rope, SiLU, adds, index/copy). Python and dispatch
+   overhead inside the forward = forward wall (pass 1) - forward op time (pass 2).
+
+    .venv/bin/python benchmarks/profile_decode.py --quantization none,rtn4 --batch-sizes 1,32
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import importlib
 import statistics
 import time
-from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from tokenmill import LLM, SamplingParams
 from tokenmill.bench.machine import machine_header
+from tokenmill.llm import LLM
+from tokenmill.sampling_params import SamplingParams
 
-MATMUL = ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::_weight_int8pack_mm",
-          "aten::_weight_int4pack_mm_for_cpu", "aten::bmm", "aten::_int_mm", "tokenmill")
-ATTENTION = ("paged_decode_attention", "scaled_dot_product")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_int_mm", "aten::_weight_int8pack_mm",
+              "aten::_weight_int4pack_mm_for_cpu", "tokenmill_quant::")
+ATTENTION_OPS = ("tokenmill_attention::", "aten::index_copy_", "aten::_scaled_dot_product", "aten::scaled_dot")
+# Our C++ kernels are pybind functions the profiler cannot see; during the profiled pass each is
+# wrapped in a record_function named <label>::<function> (module attribute, kernel getter, label).
+PYBIND_KERNELS = (("tokenmill.model.attention", "paged_decode_kernels", "tokenmill_attention"),
+                  ("tokenmill.model.layers", "fused_layer_kernels", "tokenmill_fused"),
+                  ("tokenmill.quant.tiled", "tiled_kernels", "tokenmill_quant"),
+                  ("tokenmill.quant.nf4", "nf4_kernels", "tokenmill_quant"))
+REGIONS = ("schedule", "batch build", "forward", "lm_head", "sampler", "output")
 
 
-def category(name: str) -> str:
-    if any(m in name for m in ATTENTION):
+def _timed(fn: Callable, bucket: list[float]) -> Callable:
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            bucket.append(time.perf_counter() - t0)
+    return wrapper
+
+
+def _category(name: str) -> str | None:
+    if name.startswith(ATTENTION_OPS):
         return "attention"
-    if name in MATMUL or "nf4_linear" in name or "int4pack" in name or "int8pack" in name:
+    if name.startswith(MATMUL_OPS):
         return "matmul"
-    return "other ops"
+    if name.startswith(("aten::", "tokenmill_")):
+        return "other ops"
+    return None          # profiler-internal / Python-level ranges
+
+
+class _Labelled:
+    """A compiled extension whose functions run inside record_function ranges."""
+
+    def __init__(self, module: Any, label: str) -> None:
+        self._module, self._label = module, label
+
+    def __getattr__(self, name: str) -> Callable:
+        fn = getattr(self._module, name)
+
+        def call(*a: Any, **kw: Any) -> Any:
+            with record_function(f"{self._label}::{name}"):
+                return fn(*a, **kw)
+        return call
+
+
+@contextlib.contextmanager
+def labelled_kernels():
+    saved = []
+    for mod_name, attr, label in PYBIND_KERNELS:
+        mod = importlib.import_module(mod_name)
+        getter = getattr(mod, attr)
+        ext = getter()
+        saved.append((mod, attr, getter))
+        setattr(mod, attr, lambda ext=ext, label=label: None if ext is None else _Labelled(ext, label))
+    try:
+        yield
+    finally:
+        for mod, attr, getter in saved:
+            setattr(mod, attr, getter)
+
+
+def steady_decode(llm: LLM, batch: int, prompt_len: int) -> None:
+    """Admit `batch` requests and step until all have finished their prompts."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    vocab = eng.runner.model_cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
+        eng.add_request(f"p{i}", ids, params)
+    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(4):
+        eng.step()
+
+
+def profile_one(llm: LLM, steps: int) -> dict[str, float]:
+    eng, runner = llm.engine, llm.engine.runner
+    model = runner.model
+    buckets: dict[str, list[float]] = {r: [] for r in ("schedule", "execute", "forward", "lm_head", "sampler")}
+    saved = (eng.scheduler.schedule, runner.execute, model.forward, model.compute_logits, eng.sampler)
+    eng.scheduler.schedule = _timed(saved[0], buckets["schedule"])
+    runner.execute = _timed(saved[1], buckets["execute"])
+    model.forward = _timed(saved[2], buckets["forward"])
+    model.compute_logits = _timed(saved[3], buckets["lm_head"])
+    eng.sampler = _timed(saved[4], buckets["sampler"])
+    walls = []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t0)
+    finally:
+        (eng.scheduler.schedule, runner.execute, model.forward, model.compute_logits, eng.sampler) = saved
+        for attr in ("forward", "compute_logits"):
+            model.__dict__.pop(attr, None)
+        for attr in ("schedule",):
+            eng.scheduler.__dict__.pop(attr, None)
+        runner.__dict__.pop("execute", None)
+    med = {k: statistics.median(v) * 1e3 for k, v in buckets.items()}
+    out = {"step": statistics.median(walls) * 1e3, "schedule": med["schedule"], "forward": med["forward"],
+           "lm_head": med["lm_head"], "sampler": med["sampler"],
+           "batch build": med["execute"] - med["forward"] - med["lm_head"]}
+    out["output"] = out["step"] - med["schedule"] - med["execute"] - med["sampler"]
+
+    with labelled_kernels(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    cats: collections.Counter = collections.Counter()
+    per_op: dict[str, float] = {}
+    for ev in prof.key_averages():
+        cat = _category(ev.key)
+        if cat is not None:
+            cats[cat] += ev.self_cpu_time_total / steps / 1e3
+            per_op[ev.key] = ev.self_cpu_time_total / steps / 1e3
+    out.update({f"op {k}": v for k, v in cats.items()})
+    out["top"] = sorted(per_op.items(), key=lambda kv: -kv[1])[:12]
+    # the lm_head's matmul, timed alone on the same rows (it is one of the matmul ops above)
+    hidden = torch.randn(len(eng.scheduler.running), model.cfg.hidden_size, dtype=runner.dtype)
+    with torch.inference_mode():
+        t = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model.compute_logits(hidden)
+            t.append(time.perf_counter() - t0)
+    out["lm_head matmul"] = statistics.median(t) * 1e3
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="none", help="comma list of none|int8|rtn4|nf4")
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--quantize-lm-head", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     print(machine_header())
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=2048,
-              max_num_seqs=max(args.batch, 1), kv_cache_memory=1 << 30, enable_prefix_caching=False)
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 64, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), [(i * 7 + j) % 40000 + 100 for j in range(args.context)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.waiting + engine.scheduler.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    rounds = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(args.steps // 4):
-            engine.step()
-        rounds.append((time.perf_counter() - t) / (args.steps // 4) * 1000)
-    step = statistics.median(rounds)
-    print(f"decode step B={args.batch} ({args.dtype}, {args.quantization or 'no quantization'}): {step:.2f} ms "
-          f"median of 5 ({args.batch / step * 1000:.1f} tok/s)")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        wall = (time.perf_counter() - t) / args.steps * 1000
-    totals: dict[str, float] = defaultdict(float)
-    per_op: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.cpu_parent is not None if hasattr(evt, "cpu_parent") else False:
-            continue
-    # self time of every op, attributed to a category
-    for evt in prof.key_averages():
-        ms = evt.self_cpu_time_total / 1000 / args.steps
-        totals[category(evt.key)] += ms
-        per_op[evt.key] += ms
-    ops = sum(totals.values())
-    print(f"profiled step {wall:.2f} ms (profiler overhead included); ops' self time {ops:.2f} ms")
-    for cat in ("matmul", "attention", "other ops"):
-        print(f"  {cat:10s} {totals[cat]:7.2f} ms  {totals[cat] / wall:6.1%}")
-    print(f"  {'python/rest':10s} {wall - ops:7.2f} ms  {(wall - ops) / wall:6.1%}")
-    print("top ops by self time (ms per step):")
-    for key, ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"  {ms:7.3f}  {key}")
+    for quant in args.quantization.split(","):
+        extra = {} if quant == "none" else {"quantization": quant, "quantize_lm_head": args.quantize_lm_head}
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(b, 1),
+                      enable_prefix_caching=False, **extra)
+            steady_decode(llm, b, args.prompt_len)
+            r = profile_one(llm, args.steps)
+            print(f"\n{quant} batch {b}: step {r['step']:.2f} ms (median of {args.steps})")
+            for k in REGIONS:
+                print(f"  {k:<12} {r[k]:8.2f} ms")
+            ops = {k: v for k, v in r.items() if k.startswith("op ")}
+            top = r.pop("top")
+            op_total = sum(ops.values())
+            for k, v in sorted(ops.items()):
+                print(f"  {k:<16} {v:8.2f} ms (profiled)")
+            print(f"  python/dispatch outside ops {r['step'] - op_total:8.2f} ms; "
+                  f"step / matmul = {r['step'] / max(ops.get('op matmul', 1e-9), 1e-9):.2f}x; "
+                  f"lm_head matmul alone {r['lm_head matmul']:.2f} ms")
+            print("  top ops (ms/step): " + ", ".join(f"{k.removeprefix('aten::')} {v:.2f}" for k, v in top))
+            del llm
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ tokenmill's Int8Linear / Int4Linear (rtn4, group 64) / NF4Linear forced onto the
 kernel, their tiled dequantize+GEMM (`tiled`, csrc/tiled_dequant_gemm.cpp) or the whole-weight
 dequantize+GEMM path, and `torch._int_mm` (W8A8) where the CPU has VNNI/AMX.
 
-    .venv/bin/python benchmarks/quant_kernels.py --rows 1,8,32,64,128 --threads 2
+    .venv/bin/python benchmarks/quant_kernels.py --rows 1,8,32,64,128 --threads 2 [--act-dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8,32,64,128")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--act-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="activation dtype fed to the quantized paths (a bf16 model's is bfloat16)")
     args = p.parse_args()
+    act = getattr(torch, args.act_dtype)
     torch.set_num_threads(args.threads)
     print(machine_header(), flush=True)
     torch.manual_seed(0)
@@ -67,16 +70,16 @@ def main() -> None:
         for mods in (int8, int4):
             for limit, tiles in ((10 ** 6, True), (0, True), (0, False)):
                 kernels._OVERRIDE, tiled._ENABLED = limit, tiles
-                row.append(timed(lambda: [m(xs[torch.float32][m.in_features]) for m in mods]))
+                row.append(timed(lambda: [m(xs[act][m.in_features]) for m in mods]))
         kernels._OVERRIDE, tiled._ENABLED = None, True
-        row.append(timed(lambda: [m.kernel_forward(xs[torch.float32][m.in_features]) for m in nf4]))
-        row.append(timed(lambda: [m.tiled_forward(xs[torch.float32][m.in_features]) for m in nf4]))
-        row.append(timed(lambda: [m.dequant_forward(xs[torch.float32][m.in_features]) for m in nf4]))
+        row.append(timed(lambda: [m.kernel_forward(xs[act][m.in_features]) for m in nf4]))
+        row.append(timed(lambda: [m.tiled_forward(xs[act][m.in_features]) for m in nf4]))
+        row.append(timed(lambda: [m.dequant_forward(xs[act][m.in_features]) for m in nf4]))
         if fast_int8:
             xq = {k: torch.randint(-127, 127, (max(m_rows, 17), k), dtype=torch.int8) for k in (576, 1536)}
             row.append(timed(lambda: [torch._int_mm(xq[q.shape[0]], q) for q in qint]))
         print(" | ".join([f"{m_rows:>12d}"] + [f"{v:12.2f}" for v in row]), flush=True)
-    print("ms per forward of all 30 layers' linears (median of 5)")
+    print(f"ms per forward of all 30 layers' linears (median of 5); quantized paths fed {args.act_dtype}")
 
 
 if __name__ == "__main__":

@@ -67,12 +67,13 @@ def expected(q, k_cache, v_cache, seqs, scale):
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hk", [(4, 4), (6, 2), (4, 1)])
-def test_paged_attention_matches_dense_reference(monkeypatch, use_kernel, dtype, tol, hq, hk):
+@pytest.mark.parametrize("prefill", [[(9, 9), (21, 6)], []], ids=["mixed", "decode-only"])
+def test_paged_attention_matches_dense_reference(monkeypatch, use_kernel, dtype, tol, hq, hk, prefill):
     if use_kernel and paged_decode_kernels() is None:
         pytest.fail("the C++ decode kernel did not compile")
     if not use_kernel:
         monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
-    q, k, v, kc, vc, meta, seqs = make_case(dtype, hq, hk, lens=[1, 5, 17, 33], prefill=[(9, 9), (21, 6)])
+    q, k, v, kc, vc, meta, seqs = make_case(dtype, hq, hk, lens=[1, 5, 17, 33], prefill=prefill)
     scale = 0.25
     out = paged_attention(q, k, v, kc, vc, meta, scale)
     ref = expected(q, kc, vc, seqs, scale)

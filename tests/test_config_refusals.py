@@ -119,7 +119,11 @@ def _gguf_parity(path: Path, expected, **rope) -> None:
     prompt = [p % 96 for p in prompt_of(48)]
     ref_tokens, ref_logits = hf_greedy(hf, prompt, 8)
     tokens, logits = ours_greedy(cfg, weights, prompt, 8, max_model_len=256)
-    torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4)
+    # fp32 rounding differences (two implementations of norm/rope/SiLU) grow through a random
+    # model to ~1e-5 of its largest logit (28.5 for the yarn twin: 3.6e-4 absolute), so the bound
+    # scales with the logits (greedy tokens must still match exactly)
+    atol = 2e-5 * ref_logits.abs().max().item()
+    torch.testing.assert_close(logits, ref_logits, atol=max(atol, 2e-4), rtol=1e-4)
     assert tokens == ref_tokens
 
 

@@ -159,3 +159,28 @@ def test_quant_config_hf_round_trip():
         QuantConfig("rtn4", group_size=100)
     with pytest.raises(ValueError, match="unknown quantization method"):
         QuantConfig("fp3")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiled_bf16_tiles_match_fp32_tiles(bits):
+    """bf16 activations with bf16 tiles (the path CPUs with bf16 dot products take) give the
+    fp32-tile result to bf16 precision, bias included, and return bf16."""
+    from tokenmill.quant import tiled
+    if not _tiled_available():
+        pytest.skip("no tiled kernel on this CPU")
+    torch.manual_seed(5)
+    n, k, g = 300, 576, 64 if bits == 4 else 576
+    gq = rtn_quantize(torch.randn(n, k), bits, g) if bits == 4 else None
+    if bits == 4:
+        codes = Int4Linear(gq, None)
+        args = (codes.q4, codes.scales, codes.offsets)
+    else:
+        lin = Int8Linear.from_float(torch.randn(n, k), None)
+        args = (lin.qweight, lin.scale, None)
+    x, bias = torch.randn(40, k).bfloat16(), torch.randn(n)
+    ext = tiled.tiled_kernels()
+    fp32 = ext.tiled_dequant_linear(x, *args, bias, bits, g, False)
+    bf16 = ext.tiled_dequant_linear(x, *args, bias, bits, g, True)
+    assert fp32.dtype == bf16.dtype == torch.bfloat16
+    err = (bf16.float() - fp32.float()).abs().max() / fp32.float().abs().max()
+    assert 0 < err < 2e-2

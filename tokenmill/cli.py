@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", required=True, choices=("int8", "smoothquant", "gptq", "awq", "nf4", "rtn4"))
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128, help="gptq / awq / rtn4 group (-1: one per row)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: columns in descending Hessian diagonal order")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: quantize columns in descending Hessian-diagonal order (default on: SmolLM2's "
+                        "massive-activation channels made static-order GPTQ worse than RTN, benchmarks/README.md)")
     p.add_argument("--damp-percent", type=float, default=0.01, help="GPTQ Hessian dampening")
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     p.add_argument("--quantize-lm-head", action="store_true")

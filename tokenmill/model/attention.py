@@ -62,11 +62,15 @@ def paged_attention(
     flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
-    out = torch.empty_like(q)
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     nd = meta.num_decode_tokens
-    if nd and q.device.type == "cpu" and (kernels := paged_decode_kernels()) is not None:
+    kernels = paged_decode_kernels() if nd and q.device.type == "cpu" else None
+    if kernels is not None and not meta.prefills:      # pure decode step: the kernel's output is the answer
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    if kernels is not None:
         out[:nd] = kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                                   meta.decode_context_lens, scale)
     elif nd:

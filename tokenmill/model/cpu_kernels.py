@@ -1,6 +1,6 @@
-"""The hand-written paged decode-attention kernel, compiled on first use (see
-tokenmill/cpu_extension.py). When compilation is impossible the engine falls back to the
-plain-torch path, which tests hold the kernel equal to."""
+"""The hand-written CPU kernels of the model (paged decode attention; the fused elementwise ops
+of a decoder layer), compiled on first use (see tokenmill/cpu_extension.py). When compilation is
+impossible the engine falls back to the plain-torch paths, which tests hold the kernels equal to."""
 from __future__ import annotations
 
 import functools
@@ -10,9 +10,16 @@ from types import ModuleType
 from tokenmill.cpu_extension import load_cpu_extension
 
 _SRC = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_FUSED_SRC = Path(__file__).parent / "csrc" / "fused_layer_ops.cpp"
 
 
 @functools.cache
 def paged_decode_kernels() -> ModuleType | None:
     """The compiled extension, or None (TOKENMILL_CPU_KERNELS=0 disables it)."""
     return load_cpu_extension("tokenmill_paged_decode", _SRC)
+
+
+@functools.cache
+def fused_layer_kernels() -> ModuleType | None:
+    """rms_norm, add_rms_norm, rope_, silu_and_mul (csrc/fused_layer_ops.cpp), or None."""
+    return load_cpu_extension("tokenmill_fused_layer_ops", _FUSED_SRC)

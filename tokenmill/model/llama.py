@@ -57,8 +57,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rope, kv_cache, meta):
         """x is the fp32 residual stream: SmolLM2's activations reach ~25,000, where bf16 keeps
         only 2-3 significant digits, so a bf16 residual flips near-tied greedy choices."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta).float()
-        return x + self.mlp(self.post_attention_layernorm(x)).float()
+        h = self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        x, h = self.post_attention_layernorm.add_forward(x, h)
+        return x + self.mlp(h)          # type promotion keeps the sum fp32
 
 
 class LlamaForCausalLM(nn.Module):

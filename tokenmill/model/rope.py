@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.model.layers import fused_cpu_ops
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -141,7 +143,14 @@ class RotaryEmbedding(nn.Module):
         return cls(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. May rotate q and k IN PLACE (the fused
+        CPU op does: they are views of a fresh qkv projection) — use the returned tensors."""
+        ops = fused_cpu_ops(q)
+        if (ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.long
+                and positions.is_contiguous() and self.cos.dtype == torch.float32):
+            ops.rope_(q, positions, self.cos, self.sin)
+            ops.rope_(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -108,7 +108,7 @@ class Int4Linear(nn.Module):
             xp = self._kernel_input(x, torch.bfloat16)
             y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.group_size, self.scale_zero)
         elif tiled_supported(x, self.k_padded, self.group_size):
-            xp = self._kernel_input(x, torch.float32)
+            xp = self._kernel_input(x, x.dtype)
             y = tiled_linear(xp, self.q4, self.scales, self.offsets, None, 4, self.group_size)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))     # original column order: no permute

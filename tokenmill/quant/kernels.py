@@ -29,12 +29,24 @@ def use_weight_only_kernel(x: torch.Tensor, max_rows: int) -> bool:
     return x.device.type == "cpu" and x.shape[0] <= (max_rows if _OVERRIDE is None else _OVERRIDE)
 
 
+def _cpuinfo() -> str:
+    try:
+        return open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def cpu_has_fast_bf16_dot() -> bool:
+    """bf16 GEMM runs on native bf16 dot products (avx512_bf16 or AMX); without them torch
+    converts to fp32 internally and bf16 is slower than fp32, so large-M dequantized paths
+    multiply in fp32 there."""
+    flags = _cpuinfo()
+    return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
+
+
 @functools.cache
 def cpu_has_fast_int8_dot() -> bool:
     """`torch._int_mm` is only worth it with VNNI or AMX; on plain AVX2 it is ~20x slower
     than fp32 GEMM (measured: 2.7 s vs 0.12 s at M=32), so W8A8 then runs in float."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return any(f in flags for f in (" amx_int8", " avx512_vnni", " avx_vnni"))
+    return any(f in _cpuinfo() for f in (" amx_int8", " avx512_vnni", " avx_vnni"))

@@ -11,6 +11,7 @@ from types import ModuleType
 import torch
 
 from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.quant.kernels import cpu_has_fast_bf16_dot
 
 _SRC = Path(__file__).parent / "csrc" / "tiled_dequant_gemm.cpp"
 # TOKENMILL_TILED_DEQUANT=0 keeps the whole-weight dequantize + GEMM (benchmarks and tests flip this)
@@ -30,11 +31,13 @@ def tiled_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
 
 def tiled_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                  bias: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
-    """x [M, K] @ W^T + bias with W = codes * scale + offset per group (see the C++ header)."""
-    return tiled_kernels().tiled_dequant_linear(x, codes, scale, offset, bias, bits, group_size)
+    """x [M, K] @ W^T + bias with W = codes * scale + offset per group (see the C++ header).
+    bf16 x multiplies bf16 tiles where the CPU has bf16 dot products, fp32 tiles otherwise."""
+    return tiled_kernels().tiled_dequant_linear(x, codes, scale, offset, bias, bits, group_size,
+                                                cpu_has_fast_bf16_dot())
 
 
 def tiled_nf4_linear(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
                      bias: torch.Tensor | None, block_size: int) -> torch.Tensor:
     """x [M, K] @ W^T + bias with W = table[code] * absmax per block (NF4, bitsandbytes order)."""
-    return tiled_kernels().tiled_nf4_linear(x, codes, absmax, table, bias, block_size)
+    return tiled_kernels().tiled_nf4_linear(x, codes, absmax, table, bias, block_size, cpu_has_fast_bf16_dot())
