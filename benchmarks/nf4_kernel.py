@@ -1,5 +1,5 @@
 """NF4 linear vs fp32 dense on the SmolLM2-135M projection shapes, all 30 layers: sets
-`KERNEL_MAX_ROWS` in tokenmill/quant/nf4.py (the M where dequantize + GEMM overtakes the kernel).
+`weight_only_max_rows("nf4")` in tokenmill/quant/kernels.py (the M where the tiled dequantize + GEMM overtakes the kernel).
 
     .venv/bin/python benchmarks/nf4_kernel.py --threads 2
 

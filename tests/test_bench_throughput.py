@@ -99,3 +99,26 @@ def test_hf_left_padded_batch_matches_tokenmill(tiny_setup: Path) -> None:
     tm_out, _ = tm._generate(prompts, [8] * 3)
     assert hf_out.tolist() == tm_out
     assert len(set(tm_out[0])) > 3  # a non-degenerate continuation
+
+
+def test_engines_table_ratios_are_same_repeat_pairs_against_the_anchor() -> None:
+    from tokenmill.bench.report import format_engines_table
+    w = Workload(num_requests=10, prompt_tokens=1000, output_tokens=500, decode_tokens=100, prefill_tokens=512)
+    # repeat 1: both fast; repeat 2: both slow -> paired ratio exactly 2 although the medians mix
+    samples = {"llama.cpp-q4_1": [Sample(10.0, 1.0, 0.5), Sample(20.0, 2.0, 1.0)],
+               "tokenmill-rtn4": [Sample(5.0, 0.5, 0.25), Sample(10.0, 1.0, 0.5)]}
+    table = format_engines_table(summarize(samples, w), w, "llama.cpp-q4_1")
+    row = next(line for line in table.splitlines() if line.startswith("tokenmill-rtn4"))
+    assert row.count("(2.00x)") == 3
+    assert "(1.00x)" in next(line for line in table.splitlines() if line.startswith("llama.cpp-q4_1"))
+
+
+def test_llama_cpp_variant_spec_is_validated(tmp_path: Path) -> None:
+    from tokenmill.bench.throughput import _llama_cpp_variants
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert _llama_cpp_variants(f"q4_1={gguf}") == [("q4_1", gguf)]
+    assert _llama_cpp_variants(None) == []
+    for bad in (str(gguf), f"q4_1={tmp_path / 'missing.gguf'}", f"={gguf}"):
+        with pytest.raises(ValueError, match="label=GGUF_FILE"):
+            _llama_cpp_variants(bad)

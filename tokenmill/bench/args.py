@@ -27,6 +27,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both engines")
     p.add_argument("--output-json", default=DEFAULT_JSON)
     p.add_argument("--skip-hf", action="store_true", help="measure tokenmill only")
+    p.add_argument("--quantization", default="none",
+                   help="comma list of tokenmill variants: none (the --dtype weights), int8, rtn4, nf4, ...")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantized variants quantize the lm_head too")
+    p.add_argument("--llama-cpp", default=None, metavar="LABEL=GGUF,...",
+                   help="llama-server anchors, e.g. q4_1=model.Q4_1.gguf,q8_0=model.Q8_0.gguf")
+    p.add_argument("--llama-cpp-parallel", type=int, default=32, help="llama-server slots (-np)")
+    p.add_argument("--llama-cpp-port", type=int, default=18180)
     _add_serve_parser(sub)
     _add_compare_parser(sub)
     _add_scheduler_parser(sub)

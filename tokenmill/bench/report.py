@@ -77,6 +77,27 @@ def format_table(summary: dict[str, Any], w: Workload, baseline: str = "hf", tar
     return "\n".join(lines)
 
 
+def paired_ratios(summary: dict[str, Any], target: str, anchor: str) -> dict[str, float]:
+    """Median over repeats of target/anchor, each pair measured in the same repeat."""
+    pairs = list(zip(summary["runs"][target], summary["runs"][anchor]))
+    return {k: statistics.median(t[k] / a[k] for t, a in pairs) for k in METRICS}
+
+
+def format_engines_table(summary: dict[str, Any], w: Workload, anchor: str | None) -> str:
+    """One row per engine (median rates), and its same-repeat ratio to `anchor` per metric."""
+    keys = ("output_tok_s", "decode_tok_s", "prefill_tok_s")
+    heads = ("offline out tok/s", f"decode tok/s (B=1, {w.decode_tokens})", f"prefill tok/s ({w.prefill_tokens})")
+    width = max(len(n) for n in summary["median"]) + 2
+    lines = [f"{'engine':<{width}}" + "".join(f"{h:>28}" for h in heads), "-" * (width + 28 * len(heads))]
+    for name, med in summary["median"].items():
+        ratio = paired_ratios(summary, name, anchor) if anchor and anchor in summary["median"] else None
+        cells = [f"{med[k]:.1f}" + (f" ({ratio[k]:.2f}x)" if ratio else "") for k in keys]
+        lines.append(f"{name:<{width}}" + "".join(f"{c:>28}" for c in cells))
+    if anchor:
+        lines.append(f"(ratios: median over repeats of engine / {anchor}, same repeat)")
+    return "\n".join(lines)
+
+
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

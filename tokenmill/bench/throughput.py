@@ -1,7 +1,9 @@
-"""`tokenmill bench throughput`: offline ShareGPT throughput, tokenmill vs HF transformers.
+"""`tokenmill bench throughput`: offline ShareGPT throughput, batch-1 decode and prefill,
+tokenmill (one engine per `--quantization` variant) vs HF transformers and llama.cpp
+(`--llama-cpp label=GGUF,...`, each a llama-server child process).
 
-Both engines run in one process, one after the other, in alternating order across repeats,
-on the same sampled requests with greedy decoding and exactly the requested output lengths.
+All engines run one after the other, in alternating order across repeats, on the same sampled
+requests with greedy decoding and exactly the requested output lengths.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from tokenmill.bench.machine import machine_header, machine_info
-from tokenmill.bench.report import Sample, Workload, common_prefix, format_table, summarize, write_json
+from tokenmill.bench.report import (Sample, Workload, common_prefix, format_engines_table, format_table,
+                                    summarize, write_json)
 from tokenmill.bench.sharegpt import Request, sample_requests
 from tokenmill.hub import resolve_model
 
@@ -73,12 +76,23 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_hf:
         _log(f"loading HF transformers model from {model_path}")
         runners.append(HFRunner(model_path, getattr(torch, args.dtype)))
-    _log("starting tokenmill engine")
-    t0 = time.perf_counter()
-    tm = TokenmillRunner(args.model, args.dtype, args.max_num_seqs, args.kv_cache_memory,
-                         enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads)
-    _log(f"tokenmill engine ready in {time.perf_counter() - t0:.1f}s")
-    runners.append(tm)
+    tm = None
+    for quant in args.quantization.split(","):
+        name = "tokenmill" if quant == "none" else f"tokenmill-{quant}"
+        _log(f"starting {name}")
+        t0 = time.perf_counter()
+        extra = {} if quant == "none" else {"quantization": quant, "quantize_lm_head": args.quantize_lm_head}
+        runner = TokenmillRunner(args.model, args.dtype, args.max_num_seqs, args.kv_cache_memory,
+                                 enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads,
+                                 name=name, **extra)
+        _log(f"{name} ready in {time.perf_counter() - t0:.1f}s")
+        runners.append(runner)
+        tm = tm or runner
+    for i, (label, gguf) in enumerate(_llama_cpp_variants(args.llama_cpp)):
+        from tokenmill.bench.llamacpp_runner import LlamaCppRunner
+        _log(f"starting llama-server {label} on {gguf}")
+        runners.append(LlamaCppRunner(f"llama.cpp-{label}", gguf, args.threads, args.llama_cpp_parallel,
+                                      args.max_prompt_tokens + args.max_output_tokens, args.llama_cpp_port + i))
 
     requests = sample_requests(tm.llm.get_tokenizer(), args.num_prompts, args.max_prompt_tokens,
                                args.max_output_tokens, seed=args.seed)
@@ -101,9 +115,14 @@ def run_throughput_bench(args: argparse.Namespace) -> dict[str, Any]:
         doc = _document(args, w, requests, samples, decoded, rep + 1)
         if args.output_json:  # after every repeat, so a killed run still leaves its data
             write_json(Path(args.output_json), doc)
+    for runner in runners:
+        if hasattr(runner, "close"):
+            runner.close()
     print(f"\nShareGPT offline throughput: {args.model} {args.dtype}, {w.num_requests} prompts, "
           f"HF static batch {args.hf_batch_size}, median of {args.repeats}, {args.threads} threads\n")
     print(doc["table"], flush=True)
+    if len(runners) > 2 or args.llama_cpp:
+        print("\n" + doc["engines_table"], flush=True)
     if args.output_json:
         _log(f"wrote {args.output_json}")
     return doc
@@ -122,7 +141,26 @@ def _document(args: argparse.Namespace, w: Workload, requests: Sequence[Request]
         "workload": asdict(w),
         "hf_generated_tokens_incl_padding": sum(len(b) * max(r.output_len for r in b) for b in hf_batches),
         "batch1_greedy_common_prefix": (common_prefix(decoded["hf"], decoded["tokenmill"])
-                                        if "hf" in decoded else None),
+                                        if "hf" in decoded and "tokenmill" in decoded else None),
         **summary,
         "table": format_table(summary, w),
+        "engines_table": format_engines_table(summary, w, _anchor(args)),
     }
+
+
+def _llama_cpp_variants(spec: str | None) -> list[tuple[str, Path]]:
+    """`label=GGUF,...` -> [(label, path)]; the files must exist."""
+    out = []
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        label, sep, path = item.strip().partition("=")
+        if not sep or not label or not Path(path).is_file():
+            raise ValueError(f"--llama-cpp wants label=GGUF_FILE, got {item!r}")
+        out.append((label, Path(path)))
+    return out
+
+
+def _anchor(args: argparse.Namespace) -> str | None:
+    first = _llama_cpp_variants(args.llama_cpp)[:1]
+    return f"llama.cpp-{first[0][0]}" if first else (None if args.skip_hf else "hf")

@@ -14,7 +14,8 @@ class TokenmillRunner:
     name = "tokenmill"
 
     def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: int,
-                 enable_prefix_caching: bool = False, **engine_kwargs: Any) -> None:
+                 enable_prefix_caching: bool = False, name: str = "tokenmill", **engine_kwargs: Any) -> None:
+        self.name = name
         from tokenmill import LLM
         from tokenmill.hub import resolve_model
         from tokenmill.model.loader import read_model_config

@@ -148,8 +148,7 @@ class RotaryEmbedding(nn.Module):
         ops = fused_cpu_ops(q)
         if (ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.long
                 and positions.is_contiguous() and self.cos.dtype == torch.float32):
-            ops.rope_(q, positions, self.cos, self.sin)
-            ops.rope_(k, positions, self.cos, self.sin)
+            ops.rope_(q, k, positions, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

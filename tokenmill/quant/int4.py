@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant.group import GroupQuant
-from tokenmill.quant.kernels import INT4_MAX_ROWS, use_weight_only_kernel
+from tokenmill.quant.kernels import use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
 _KERNEL_GROUPS = (32, 64, 128, 256)
@@ -104,7 +104,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
-        if self.packed is not None and use_weight_only_kernel(x, INT4_MAX_ROWS):
+        if self.packed is not None and use_weight_only_kernel(x, "int4"):
             xp = self._kernel_input(x, torch.bfloat16)
             y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.group_size, self.scale_zero)
         elif tiled_supported(x, self.k_padded, self.group_size):

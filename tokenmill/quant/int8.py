@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quant.kernels import INT8_MAX_ROWS, cpu_has_fast_int8_dot, use_weight_only_kernel
+from tokenmill.quant.kernels import cpu_has_fast_int8_dot, use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
 
@@ -61,7 +61,7 @@ class Int8Linear(nn.Module):
         out_dtype = x.dtype
         if self.act_quant:
             y = self._w8a8(x)
-        elif use_weight_only_kernel(x, INT8_MAX_ROWS):
+        elif use_weight_only_kernel(x, "int8"):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16)
         elif tiled_supported(x, self.in_features, self.in_features):
             y = self._tiled(x)
@@ -80,7 +80,7 @@ class Int8Linear(nn.Module):
             return acc.float() * sx * self.scale
         # Same integer products without an int8 dot unit: integer-valued codes are exact in
         # bf16/fp32 and fp32 accumulates them exactly while a sum stays below 2^24.
-        if use_weight_only_kernel(x, INT8_MAX_ROWS):
+        if use_weight_only_kernel(x, "int8"):
             return torch._weight_int8pack_mm(qx.to(torch.bfloat16), self.qweight, self.scale_bf16).float() * sx
         if tiled_supported(x, self.in_features, self.in_features):
             return self._tiled(qx) * sx

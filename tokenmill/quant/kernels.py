@@ -14,19 +14,19 @@ import os
 
 import torch
 
-# Crossovers from benchmarks/quant_kernels.py (AMD EPYC Zen 3, AVX2, 2 threads, all SmolLM2
-# linears, ms; table in benchmarks/README.md): int8 kernel vs tiled 34.1 vs 37.1 at M=8,
-# 71.3 vs 51.7 at M=16; int4 (group 64) 44.8 vs 52.0 at M=8, 82.6 vs 45.1 at M=16.
-INT8_MAX_ROWS = 12
-INT4_MAX_ROWS = 12
+# Rows M up to which each format's weight-only kernel beats the tiled dequantize + GEMM, from
+# benchmarks/quant_kernels.py on the two CPU kinds this project runs on (all SmolLM2 linears,
+# 2 threads, ms kernel / tiled; tables in benchmarks/README.md). torch's packed kernels have
+# AVX-512 paths that scale much better with M, so the limit is per CPU kind:
+#   AVX2 only (EPYC Zen 3): int8 34.1/37.1 at M=8, 71.3/51.7 at 16; int4 44.8/52.0 at 8,
+#     82.6/45.1 at 16; nf4 47.4/47.2 at 12, 95.4/60.6 at 24
+#   AVX-512 (EPYC, avx512_bf16/vnni, fp32 activations): int8 67.20/70.63 at 32, 94.04/87.49 at
+#     48; int4 52.19/71.56 at 32, 108.93/122.45 at 64; nf4 36.38/41.95 at 16, 55.35/46.19 at 24
+_MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
+             "avx512": {"int8": 32, "int4": 64, "nf4": 16}}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)
-
-
-def use_weight_only_kernel(x: torch.Tensor, max_rows: int) -> bool:
-    """True when x [M, K] should go through the packed weight-only CPU kernel."""
-    return x.device.type == "cpu" and x.shape[0] <= (max_rows if _OVERRIDE is None else _OVERRIDE)
 
 
 def _cpuinfo() -> str:
@@ -34,6 +34,18 @@ def _cpuinfo() -> str:
         return open("/proc/cpuinfo").read()
     except OSError:
         return ""
+
+
+@functools.cache
+def weight_only_max_rows(fmt: str) -> int:
+    """The crossover row count for `fmt` (int8 / int4 / nf4) on this CPU kind."""
+    return _MAX_ROWS["avx512" if " avx512f" in _cpuinfo() else "avx2"][fmt]
+
+
+def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
+    """True when x [M, K] should go through `fmt`'s packed weight-only CPU kernel."""
+    limit = weight_only_max_rows(fmt) if _OVERRIDE is None else _OVERRIDE
+    return x.device.type == "cpu" and x.shape[0] <= limit
 
 
 @functools.cache

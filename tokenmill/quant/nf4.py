@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.quant.kernels import use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_nf4_linear, tiled_supported
 
 
@@ -45,11 +46,6 @@ NF4_CODEBOOK = (
 )
 ABSMAX_GROUP = 256   # absmax values sharing one fp32 scale in the second level
 
-# Rows M up to which the streaming kernel beats the tiled dequantize+GEMM (quant/tiled.py), from
-# benchmarks/quant_kernels.py (SmolLM2-135M, all 30 layers, fp32, 2 Zen3 threads, 2026-12-04 12:59,
-# ms kernel / tiled): M=8: 24.3 / 36.9   M=12: 47.4 / 47.2   M=16: 48.4 / 47.8   M=24: 95.4 / 60.6
-# M=32: 97.8 / 68.8. The kernel costs ~4 ms per extra row (decode reused over 4-row tiles).
-KERNEL_MAX_ROWS = 12
 
 _SRC = Path(__file__).parent / "csrc" / "nf4_matmul.cpp"
 
@@ -171,7 +167,7 @@ class NF4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        use_kernel = (x2.shape[0] <= KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+        use_kernel = (use_weight_only_kernel(x2, "nf4") and x.dtype in (torch.float32, torch.bfloat16)
                       and self._kernel_ok() and nf4_kernels() is not None)
         if use_kernel:
             y = self.kernel_forward(x2)

@@ -85,35 +85,50 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
   return {sum, out};
 }
 
-// Neox rotary embedding IN PLACE on x [T, H, D] (any strides with a contiguous last dim, e.g. the
-// q or k view of a fused qkv output): x1, x2 = halves; x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin,
-// cos/sin fp32 [max_pos, D/2] rows picked by positions [T] (int64).
-void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.device().is_cpu(), "x must be a CPU [T, H, D] view with contiguous D");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
-              "positions must be int64 [T]");
+namespace {
+
+void check_rope_view(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.device().is_cpu(), "q/k must be CPU [T, H, D] views with contiguous D");
+  TORCH_CHECK(positions.numel() == x.size(0) && cos.size(1) * 2 == x.size(2), "positions / cos width do not match q/k");
+}
+
+template <typename scalar_t>
+inline void rotate_row(scalar_t* r, const float* cr, const float* sr, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = load(r[i]), x2 = load(r[i + half]);
+    r[i] = store<scalar_t>(x1 * cr[i] - x2 * sr[i]);
+    r[i + half] = store<scalar_t>(x2 * cr[i] + x1 * sr[i]);
+  }
+}
+
+}  // namespace
+
+// Neox rotary embedding IN PLACE on q [T, Hq, D] and k [T, Hk, D] (any strides with a contiguous
+// last dim, e.g. the q and k views of a fused qkv output): x1, x2 = halves;
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, cos/sin fp32 [max_pos, D/2] rows picked by
+// positions [T] (int64). One call for both: half the dispatches of rotating them apart.
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.is_contiguous(), "positions must be int64 [T]");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.size(1) * 2 == x.size(2), "cos/sin must be contiguous float32 [P, D/2]");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, P = cos.size(0);
-  const int64_t st = x.stride(0), sh = x.stride(1);
+              sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos/sin must be contiguous float32 [P, D/2]");
+  check_rope_view(q, positions, cos);
+  check_rope_view(k, positions, cos);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
+  const int64_t T = q.size(0), Hq = q.size(1), Hk = k.size(1), half = q.size(2) / 2, P = cos.size(0);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the rope table");
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_", [&] {
-    scalar_t* base = x.data_ptr<scalar_t>();
-    at::parallel_for(0, T, grain_rows(H * D), [&](int64_t begin, int64_t end) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_", [&] {
+    scalar_t* qb = q.data_ptr<scalar_t>();
+    scalar_t* kb = k.data_ptr<scalar_t>();
+    at::parallel_for(0, T, grain_rows((Hq + Hk) * 2 * half), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the rope table");
         const float* cr = c + pos[t] * half;
         const float* sr = s + pos[t] * half;
-        for (int64_t h = 0; h < H; ++h) {
-          scalar_t* r = base + t * st + h * sh;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = load(r[i]), x2 = load(r[i + half]);
-            r[i] = store<scalar_t>(x1 * cr[i] - x2 * sr[i]);
-            r[i + half] = store<scalar_t>(x2 * cr[i] + x1 * sr[i]);
-          }
-        }
+        for (int64_t h = 0; h < Hq; ++h) rotate_row(qb + t * qs0 + h * qs1, cr, sr, half);
+        for (int64_t h = 0; h < Hk; ++h) rotate_row(kb + t * ks0 + h * ks1, cr, sr, half);
       }
     });
   });
@@ -146,6 +161,6 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, output in the weight's dtype (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) in one pass (CPU)");
-  m.def("rope_", &rope_, "neox rotary embedding in place on a [T, H, D] view (CPU)");
+  m.def("rope_", &rope_, "neox rotary embedding in place on [T, H, D] views of q and k (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] gate_up (CPU)");
 }
