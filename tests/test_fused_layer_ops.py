@@ -91,3 +91,26 @@ def test_kernels_stay_out_of_autograd():
     x = torch.randn(3, 16, requires_grad=True)
     norm(x).sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(torch_path, dtype):
+    """K/V as strided views of a qkv output land in the same slots as with index_copy_; a slot
+    outside the cache is refused."""
+    from tokenmill.model.attention import write_kv_cache
+    _require_kernels()
+    torch.manual_seed(3)
+    hk, d, blocks, bs = 3, 64, 5, 4
+    qkv = torch.randn(7, (9 + 2 * hk) * d).to(dtype)
+    _, k, v = qkv.split([9 * d, hk * d, hk * d], dim=-1)
+    k, v = k.view(7, hk, d), v.view(7, hk, d)
+    slots = torch.tensor([19, 0, 3, 8, 9, 10, 17])
+    caches = [torch.zeros(blocks, bs, hk, d, dtype=dtype) for _ in range(4)]
+    with torch.inference_mode():
+        write_kv_cache(k, v, caches[0], caches[1], slots)
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            write_kv_cache(k, v, caches[0].clone(), caches[1].clone(), torch.tensor([0, 1, 2, 3, 4, 5, 20]))
+        torch_path()
+        write_kv_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.cpu_kernels import paged_decode_kernels
+from tokenmill.model.layers import fused_cpu_ops
 
 
 @dataclass(slots=True)
@@ -47,6 +48,19 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None    # torch fallback only; built on first use, shared by layers
 
 
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """Store this step's K/V rows [T, Hk, D] at their cache slots (block * block_size + offset)."""
+    ops = fused_cpu_ops(k)
+    if (ops is not None and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and slots.dtype == torch.long
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        ops.write_kv_(k, v, k_cache, v_cache, slots)
+        return
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
 def paged_attention(
     q: torch.Tensor,          # [T, Hq, D]
     k: torch.Tensor,          # [T, Hk, D]
@@ -57,10 +71,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads

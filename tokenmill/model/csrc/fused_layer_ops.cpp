@@ -134,6 +134,33 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Ten
   });
 }
 
+// K/V rows of this step into their cache slots: k, v [T, Hk, D] (strided views of the qkv output
+// are fine), caches [num_blocks, block_size, Hk, D] contiguous of the same dtype, slots [T] int64.
+// One call instead of two casts and two index_copy_ dispatches per layer.
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1, "k/v must be [T, Hk, D] with contiguous D");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "caches must be contiguous [blocks, block_size, Hk, D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "k/v and the caches must share a dtype");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "cache heads/dims do not match k");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "slots must be int64 [T]");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), row = H * D;
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "slot ", sl[t], " outside the cache");
+  const int64_t elem = k.element_size();
+  auto copy_rows = [&](const torch::Tensor& src, torch::Tensor& cache) {
+    const char* base = static_cast<const char*>(src.data_ptr());
+    char* dst = static_cast<char*>(cache.data_ptr());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(dst + (sl[t] * row + h * D) * elem, base + (t * src.stride(0) + h * src.stride(1)) * elem, D * elem);
+  };
+  copy_rows(k, k_cache);
+  copy_rows(v, v_cache);
+}
+
 // silu(gate) * up for gate_up [T, 2I] (gate first, as the fused projection lays it out) -> [T, I].
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
@@ -162,5 +189,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows, output in the weight's dtype (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta)) in one pass (CPU)");
   m.def("rope_", &rope_, "neox rotary embedding in place on [T, H, D] views of q and k (CPU)");
+  m.def("write_kv_", &write_kv_, "write a step's K/V rows into their paged-cache slots (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] gate_up (CPU)");
 }
