@@ -66,11 +66,23 @@ class Int4Linear(nn.Module):
         use_kernel = g in _KERNEL_GROUPS and q.device.type == "cpu" and self.out_features % 16 == 0
         self.register_buffer("packed", None)
         self.register_buffer("scale_zero", None)
+        # The kernel's own group: a group of g columns is also g/2^i groups with equal scales, so
+        # when g does not divide K (576 with 128) the kernel runs at the largest such size that does
+        # (64) on the unpadded K: no per-call padding of x (measured ~0.3 ms of a 9.7 ms step).
+        self.kernel_group, self.kernel_k = g, self.k_padded
+        kg = g
+        while kpad and kg > 32 and self.in_features % kg:
+            kg //= 2
+        if kpad and self.in_features % kg == 0 and kg in _KERNEL_GROUPS:
+            self.kernel_group, self.kernel_k = kg, self.in_features
         if use_kernel:
             # torch's int4 kernel dequantizes as (q - 8) * scale + offset, so
             # (q - z) * s == (q - 8) * s + (8 - z) * s.
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-            sz = torch.stack([scales, (8 - zeros) * scales], dim=-1).transpose(0, 1)   # [G, N, 2]
+            reps, kk = g // self.kernel_group, self.kernel_k
+            ks = scales.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
+            kz = zeros.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q[:, :kk].contiguous().to(torch.int32), 2)
+            sz = torch.stack([ks, (8 - kz) * ks], dim=-1).transpose(0, 1)   # [G_kernel, N, 2]
             self.scale_zero = sz.contiguous().to(torch.bfloat16)
 
     def weight_bytes(self) -> int:
@@ -95,20 +107,20 @@ class Int4Linear(nn.Module):
             w = w[:, torch.argsort(self.perm)]
         return w
 
-    def _kernel_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x in the packed weight's column order and width (group order, zero padded)."""
+    def _kernel_input(self, x: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """x in the packed weight's column order (group order), zero padded to `width` columns."""
         xp = (x if self.perm is None else x.index_select(1, self.perm)).to(dtype)
-        if self.k_padded != self.in_features:
-            xp = F.pad(xp, (0, self.k_padded - self.in_features))
+        if width != self.in_features:
+            xp = F.pad(xp, (0, width - self.in_features))
         return xp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
         if self.packed is not None and use_weight_only_kernel(x, "int4"):
-            xp = self._kernel_input(x, torch.bfloat16)
-            y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.group_size, self.scale_zero)
+            xp = self._kernel_input(x, torch.bfloat16, self.kernel_k)
+            y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.kernel_group, self.scale_zero)
         elif tiled_supported(x, self.k_padded, self.group_size):
-            xp = self._kernel_input(x, x.dtype)
+            xp = self._kernel_input(x, x.dtype, self.k_padded)
             y = tiled_linear(xp, self.q4, self.scales, self.offsets, None, 4, self.group_size)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))     # original column order: no permute
