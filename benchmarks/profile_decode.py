@@ -51,6 +51,22 @@ def _timed(fn: Callable, bucket: list[float]) -> Callable:
     return wrapper
 
 
+@contextlib.contextmanager
+def _timing(targets: dict[str, tuple[Any, str]], buckets: dict[str, list[float]]):
+    """Wrap each obj.attr in a timer feeding buckets[name]; put the originals back after."""
+    own = {name: (obj, attr, obj.__dict__.get(attr)) for name, (obj, attr) in targets.items()}
+    for name, (obj, attr) in targets.items():
+        setattr(obj, attr, _timed(getattr(obj, attr), buckets[name]))
+    try:
+        yield
+    finally:
+        for obj, attr, original in own.values():
+            if original is None:          # a method: drop the instance override
+                obj.__dict__.pop(attr, None)
+            else:                         # an instance attribute (the sampler object)
+                setattr(obj, attr, original)
+
+
 def _category(name: str) -> str | None:
     if name.startswith(ATTENTION_OPS):
         return "attention"
@@ -110,26 +126,15 @@ def steady_decode(llm: LLM, batch: int, prompt_len: int) -> None:
 def profile_one(llm: LLM, steps: int) -> dict[str, float]:
     eng, runner = llm.engine, llm.engine.runner
     model = runner.model
-    buckets: dict[str, list[float]] = {r: [] for r in ("schedule", "execute", "forward", "lm_head", "sampler")}
-    saved = (eng.scheduler.schedule, runner.execute, model.forward, model.compute_logits, eng.sampler)
-    eng.scheduler.schedule = _timed(saved[0], buckets["schedule"])
-    runner.execute = _timed(saved[1], buckets["execute"])
-    model.forward = _timed(saved[2], buckets["forward"])
-    model.compute_logits = _timed(saved[3], buckets["lm_head"])
-    eng.sampler = _timed(saved[4], buckets["sampler"])
+    targets = {"schedule": (eng.scheduler, "schedule"), "execute": (runner, "execute"), "forward": (model, "forward"),
+               "lm_head": (model, "compute_logits"), "sampler": (eng, "sampler")}
+    buckets: dict[str, list[float]] = {r: [] for r in targets}
     walls = []
-    try:
+    with _timing(targets, buckets):
         for _ in range(steps):
             t0 = time.perf_counter()
             eng.step()
             walls.append(time.perf_counter() - t0)
-    finally:
-        (eng.scheduler.schedule, runner.execute, model.forward, model.compute_logits, eng.sampler) = saved
-        for attr in ("forward", "compute_logits"):
-            model.__dict__.pop(attr, None)
-        for attr in ("schedule",):
-            eng.scheduler.__dict__.pop(attr, None)
-        runner.__dict__.pop("execute", None)
     med = {k: statistics.median(v) * 1e3 for k, v in buckets.items()}
     out = {"step": statistics.median(walls) * 1e3, "schedule": med["schedule"], "forward": med["forward"],
            "lm_head": med["lm_head"], "sampler": med["sampler"],

@@ -34,9 +34,9 @@ def test_stale_torch_lock_is_removed_before_building(tmp_path, monkeypatch):
 def test_build_folder_depends_on_cpu_flags_and_source(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENMILL_KERNEL_CACHE", str(tmp_path))
     src = _source(tmp_path)
-    monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: "flags : avx2")
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: "flags : avx2")
     avx2 = cpu_extension.build_directory("k", src)
-    monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: "flags : avx2 avx512f")
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: "flags : avx2 avx512f")
     avx512 = cpu_extension.build_directory("k", src)
     assert avx2 != avx512
     src.write_text("// changed\n")

@@ -25,7 +25,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 LDFLAGS = ("-fopenmp",)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's /proc/cpuinfo `flags` line (the machine name where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -37,7 +38,7 @@ def _cpu_flags() -> str:
 
 def build_directory(name: str, source: Path) -> Path:
     key = hashlib.sha256("\0".join([source.read_text(), *CFLAGS, *LDFLAGS, torch.__version__,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+                                    cpu_flags()]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
     return root / f"{name}-{key}"
 

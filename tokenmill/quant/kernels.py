@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from tokenmill.cpu_extension import cpu_flags
+
 # Rows M up to which each format's weight-only kernel beats the tiled dequantize + GEMM, from
 # benchmarks/quant_kernels.py on the two CPU kinds this project runs on (all SmolLM2 linears,
 # 2 threads, ms kernel / tiled; tables in benchmarks/README.md). torch's packed kernels have
@@ -29,17 +31,10 @@ _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 _OVERRIDE: int | None = None if _env is None else int(_env)
 
 
-def _cpuinfo() -> str:
-    try:
-        return open("/proc/cpuinfo").read()
-    except OSError:
-        return ""
-
-
 @functools.cache
 def weight_only_max_rows(fmt: str) -> int:
     """The crossover row count for `fmt` (int8 / int4 / nf4) on this CPU kind."""
-    return _MAX_ROWS["avx512" if " avx512f" in _cpuinfo() else "avx2"][fmt]
+    return _MAX_ROWS["avx512" if " avx512f" in cpu_flags() else "avx2"][fmt]
 
 
 def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
@@ -53,7 +48,7 @@ def cpu_has_fast_bf16_dot() -> bool:
     """bf16 GEMM runs on native bf16 dot products (avx512_bf16 or AMX); without them torch
     converts to fp32 internally and bf16 is slower than fp32, so large-M dequantized paths
     multiply in fp32 there."""
-    flags = _cpuinfo()
+    flags = cpu_flags()
     return any(f in flags for f in (" avx512_bf16", " amx_bf16"))
 
 
@@ -61,4 +56,4 @@ def cpu_has_fast_bf16_dot() -> bool:
 def cpu_has_fast_int8_dot() -> bool:
     """`torch._int_mm` is only worth it with VNNI or AMX; on plain AVX2 it is ~20x slower
     than fp32 GEMM (measured: 2.7 s vs 0.12 s at M=32), so W8A8 then runs in float."""
-    return any(f in _cpuinfo() for f in (" amx_int8", " avx512_vnni", " avx_vnni"))
+    return any(f in cpu_flags() for f in (" amx_int8", " avx512_vnni", " avx_vnni"))
