@@ -37,7 +37,8 @@ ATTENTION_OPS = ("tokenmill_attention::", "aten::index_copy_", "aten::_scaled_do
 PYBIND_KERNELS = (("tokenmill.model.attention", "paged_decode_kernels", "tokenmill_attention"),
                   ("tokenmill.model.layers", "fused_layer_kernels", "tokenmill_fused"),
                   ("tokenmill.quant.tiled", "tiled_kernels", "tokenmill_quant"),
-                  ("tokenmill.quant.nf4", "nf4_kernels", "tokenmill_quant"))
+                  ("tokenmill.quant.nf4", "nf4_kernels", "tokenmill_quant"),
+                  ("tokenmill.quant.int_dot", "int_dot_kernels", "tokenmill_quant"))
 REGIONS = ("schedule", "batch build", "forward", "lm_head", "sampler", "output")
 
 

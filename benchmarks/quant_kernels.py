@@ -5,7 +5,8 @@ down 1536->576; ~134M weights, so they stream from memory, not cache), random we
 forward of the whole stack per timing, median of 5 rounds. Paths: dense fp32 and bf16 GEMM,
 tokenmill's Int8Linear / Int4Linear (rtn4, group 64) / NF4Linear forced onto their small-M
 kernel, their tiled dequantize+GEMM (`tiled`, csrc/tiled_dequant_gemm.cpp) or the whole-weight
-dequantize+GEMM path, and `torch._int_mm` (W8A8) where the CPU has VNNI/AMX.
+dequantize+GEMM path, and, where the CPU has VNNI/AMX, `torch._int_mm` (W8A8) and tokenmill's
+integer-dot kernel (`int_dot`, csrc/int_dot_linear.cpp: x quantized per block to int8).
 
     .venv/bin/python benchmarks/quant_kernels.py --rows 1,8,32,64,128 --threads 2 [--act-dtype bfloat16]
 """
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.bench.machine import machine_header
-from tokenmill.quant import kernels, tiled
+from tokenmill.quant import int_dot, kernels, tiled
 from tokenmill.quant.group import rtn_quantize
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
@@ -53,15 +54,21 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
     bf16 = [w.bfloat16() for w in weights]
+    has_int_dot = int_dot.int_dot_available()
+    int_dot.ENABLED = False                 # these layers keep torch's weight-only kernels
     int8 = [Int8Linear.from_float(w, None) for w in weights]
     int4 = [Int4Linear(rtn_quantize(w, 4, 64), None) for w in weights]
+    int_dot.ENABLED = has_int_dot
+    dot8 = [Int8Linear.from_float(w, None) for w in weights] if has_int_dot else []
+    dot4 = [Int4Linear(rtn_quantize(w, 4, 64), None) for w in weights] if has_int_dot else []
     nf4 = [NF4Linear.from_float(w, None) for w in weights]
     fast_int8 = kernels.cpu_has_fast_int8_dot()
     qint = [m.qweight.t().contiguous() for m in int8] if fast_int8 else []
 
     header = ["M", "fp32", "bf16", "int8 kernel", "int8 tiled", "int8 deq+mm", "int4 kernel", "int4 tiled",
               "int4 deq+mm", "nf4 kernel", "nf4 tiled",
-              "nf4 deq+mm"] + (["W8A8 _int_mm"] if fast_int8 else [])
+              "nf4 deq+mm"] + (["W8A8 _int_mm"] if fast_int8 else []) + (
+              ["int8 int_dot", "int4 int_dot"] if has_int_dot else [])
     print(" | ".join(f"{h:>12s}" for h in header))
     for m_rows in (int(r) for r in args.rows.split(",")):
         xs = {dt: {k: torch.randn(m_rows, k).to(dt) for k in (576, 1536)} for dt in (torch.float32, torch.bfloat16)}
@@ -78,6 +85,10 @@ def main() -> None:
         if fast_int8:
             xq = {k: torch.randint(-127, 127, (max(m_rows, 17), k), dtype=torch.int8) for k in (576, 1536)}
             row.append(timed(lambda: [torch._int_mm(xq[q.shape[0]], q) for q in qint]))
+        kernels._OVERRIDE = 10 ** 6
+        for mods in ((dot8, dot4) if has_int_dot else ()):
+            row.append(timed(lambda: [m(xs[act][m.in_features]) for m in mods]))
+        kernels._OVERRIDE = None
         print(" | ".join([f"{m_rows:>12d}"] + [f"{v:12.2f}" for v in row]), flush=True)
     print(f"ms per forward of all 30 layers' linears (median of 5); quantized paths fed {args.act_dtype}")
 

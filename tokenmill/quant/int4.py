@@ -1,9 +1,10 @@
 """4-bit group-wise weights (rtn4, GPTQ, AWQ share this runtime form).
 
-Small M runs torch's packed int4 CPU kernel, which wants the group size to divide K and to be
-32..256, so K is zero-padded up to a multiple of the group (SmolLM2's 576 with group 128) and
-act-order checkpoints get their input columns permuted once at load so groups are contiguous
-(x is permuted the same way per call). AWQ's scales are folded into the preceding layers by
+Small M runs tokenmill's integer-dot kernel on CPUs with AVX512-VNNI (int_dot.py), else
+torch's packed int4 CPU kernel. Both want the group size to divide K (SmolLM2's 576 with group
+128 runs as group 64, see below; the tiled path zero-pads K instead), and act-order checkpoints
+get their input columns permuted once at load so groups are contiguous (x is permuted the same
+way per call). AWQ's scales are folded into the preceding layers by
 the calibration, so they never appear here.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant.group import GroupQuant
-from tokenmill.quant.kernels import use_weight_only_kernel
+from tokenmill.quant.int_dot import CHUNK, Int4DotWeights, int_dot_available
+from tokenmill.quant.kernels import use_int_dot_kernel, use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
 _KERNEL_GROUPS = (32, 64, 128, 256)
@@ -66,6 +68,7 @@ class Int4Linear(nn.Module):
         use_kernel = g in _KERNEL_GROUPS and q.device.type == "cpu" and self.out_features % 16 == 0
         self.register_buffer("packed", None)
         self.register_buffer("scale_zero", None)
+        self.int_dot: Int4DotWeights | None = None
         # The kernel's own group: a group of g columns is also g/2^i groups with equal scales, so
         # when g does not divide K (576 with 128) the kernel runs at the largest such size that does
         # (64) on the unpadded K: no per-call padding of x (measured ~0.3 ms of a 9.7 ms step).
@@ -75,10 +78,15 @@ class Int4Linear(nn.Module):
             kg //= 2
         if kpad and self.in_features % kg == 0 and kg in _KERNEL_GROUPS:
             self.kernel_group, self.kernel_k = kg, self.in_features
-        if use_kernel:
+        reps, kk = g // self.kernel_group, self.kernel_k
+        if (kk == self.in_features and self.kernel_group % CHUNK == 0 and q.device.type == "cpu"
+                and int_dot_available()):
+            ks = scales.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
+            ko = self.offsets.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
+            self.int_dot = Int4DotWeights.build(q[:, :kk], ks, ko, self.perm, self.kernel_group)
+        elif use_kernel:
             # torch's int4 kernel dequantizes as (q - 8) * scale + offset, so
             # (q - z) * s == (q - 8) * s + (8 - z) * s.
-            reps, kk = g // self.kernel_group, self.kernel_k
             ks = scales.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
             kz = zeros.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q[:, :kk].contiguous().to(torch.int32), 2)
@@ -116,7 +124,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = x.dtype
-        if self.packed is not None and use_weight_only_kernel(x, "int4"):
+        if self.int_dot is not None and use_int_dot_kernel(x, "int4"):
+            y = self.int_dot.linear(x, None)
+        elif self.packed is not None and use_weight_only_kernel(x, "int4"):
             xp = self._kernel_input(x, torch.bfloat16, self.kernel_k)
             y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.kernel_group, self.scale_zero)
         elif tiled_supported(x, self.k_padded, self.group_size):

@@ -26,6 +26,12 @@ from tokenmill.cpu_extension import cpu_flags
 #     48; int4 52.19/71.56 at 32, 108.93/122.45 at 64; nf4 36.38/41.95 at 16, 55.35/46.19 at 24
 _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
              "avx512": {"int8": 32, "int4": 64, "nf4": 16}}
+# tokenmill's integer-dot kernel (int_dot.py, AVX512-VNNI only) replaces torch's weight-only
+# kernels on those CPUs (the layer then holds no torch-packed copy). All SmolLM2 linears fed bf16,
+# 2-core Zen 4 EPYC, ms int_dot / torch kernel / tiled: int4 3.07 / 3.80 at M=1, 24.2 / 22.1 at
+# 16, 45.4 / 42.0 / 53.4 at 32, 88.7 / 91.9 / 71.3 at 64; int8 6.8 / 7.9 at M=1, 17.7 / 32.5 at
+# 16, 66.0 / 110.9 / 74.9 at 64. Above these rows the tiled GEMM takes over:
+_INT_DOT_MAX_ROWS = {"int8": 64, "int4": 32}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)
@@ -40,6 +46,12 @@ def weight_only_max_rows(fmt: str) -> int:
 def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
     """True when x [M, K] should go through `fmt`'s packed weight-only CPU kernel."""
     limit = weight_only_max_rows(fmt) if _OVERRIDE is None else _OVERRIDE
+    return x.device.type == "cpu" and x.shape[0] <= limit
+
+
+def use_int_dot_kernel(x: torch.Tensor, fmt: str) -> bool:
+    """True when x [M, K] should go through the integer-dot kernel (the layer checks it exists)."""
+    limit = _INT_DOT_MAX_ROWS[fmt] if _OVERRIDE is None else _OVERRIDE
     return x.device.type == "cpu" and x.shape[0] <= limit
 
 

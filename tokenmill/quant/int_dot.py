@@ -1,0 +1,105 @@
+"""Small-M path for int4 and int8 weights on CPUs with AVX512-VNNI (csrc/int_dot_linear.cpp).
+
+x is quantized per call to int8 in blocks (one scale per block: the int4 weight's group, or a
+block of up to 256 columns for per-channel int8) and multiplied with the weight codes in
+integers. Measured against torch's weight-only kernels in benchmarks/quant_kernels.py
+(`int_dot` columns); which path a layer takes is decided in kernels.py.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from tokenmill.cpu_extension import load_cpu_extension
+
+_SRC = Path(__file__).parent / "csrc" / "int_dot_linear.cpp"
+CHUNK = 64             # columns per integer dot instruction
+MAX_INT8_BLOCK = 256   # activation block for per-channel int8 (llama.cpp's q8_K uses 256 too)
+# TOKENMILL_INT_DOT=0: layers built afterwards keep torch's weight-only kernels (benchmarks, A/B)
+ENABLED = os.environ.get("TOKENMILL_INT_DOT", "1") != "0"
+
+
+@functools.cache
+def int_dot_kernels() -> ModuleType | None:
+    """The compiled extension when this CPU has AVX512-VNNI, else None."""
+    mod = load_cpu_extension("tokenmill_int_dot_linear", _SRC)
+    return mod if mod is not None and mod.available() else None
+
+
+def int_dot_available() -> bool:
+    """Whether layers built now get the integer-dot path."""
+    return ENABLED and int_dot_kernels() is not None
+
+
+def int8_block(k: int) -> int | None:
+    """The largest multiple of 64 up to 256 that divides K (None: K is not a multiple of 64)."""
+    return next((b for b in range(MAX_INT8_BLOCK, 0, -CHUNK) if k % b == 0), None)
+
+
+def pack_int4_chunks(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15, K % 64 == 0) -> [N, K/2]: per 64-column chunk, byte j holds
+    column j (low nibble) and column j + 32 (high nibble)."""
+    n, k = q.shape
+    c = q.to(torch.uint8).reshape(n, k // CHUNK, 2, CHUNK // 2)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _float_x(x: torch.Tensor) -> torch.Tensor:
+    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+
+
+@dataclass(frozen=True)
+class Int4DotWeights:
+    """An int4 weight in the kernel's layout: w = q * scales + offsets per group of `block`
+    columns (fp16 tables); `perm` puts x's columns in the weight's order (GPTQ act-order)."""
+
+    codes: torch.Tensor     # uint8 [N, K/2], pack_int4_chunks
+    scales: torch.Tensor    # float16 [N, K/block]
+    offsets: torch.Tensor   # float16 [N, K/block]
+    perm: torch.Tensor | None
+    block: int
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, perm: torch.Tensor | None,
+              block: int) -> "Int4DotWeights":
+        return cls(pack_int4_chunks(q), scales.half().contiguous(), offsets.half().contiguous(),
+                   None if perm is None else perm.long().contiguous(), block)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int_dot_kernels().int4_dot_linear(_float_x(x), self.codes, self.scales, self.offsets, bias,
+                                                 self.perm, self.block)
+
+
+@dataclass(frozen=True)
+class Int8DotWeights:
+    """A per-channel int8 weight: w = codes * row_scale; code_sums = 128 * each block's code sum."""
+
+    codes: torch.Tensor       # int8 [N, K] (shared with the layer's other paths)
+    row_scale: torch.Tensor   # float32 [N]
+    code_sums: torch.Tensor   # float32 [N, K/block]
+    block: int
+
+    @classmethod
+    def build(cls, codes: torch.Tensor, row_scale: torch.Tensor, block: int) -> "Int8DotWeights":
+        n, k = codes.shape
+        sums = codes.reshape(n, k // block, block).sum(dim=-1, dtype=torch.int32).float() * 128
+        return cls(codes, row_scale.float().contiguous(), sums.contiguous(), block)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int_dot_kernels().int8_dot_linear(_float_x(x), self.codes, self.row_scale, self.code_sums, bias,
+                                                 self.block)
+
+
+def quantize_blocks_reference(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The kernel's activation quantization in torch, dequantized: per block of `block` columns,
+    codes round(x * (127 / amax)) (nearest even) times amax / 127."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(m, k)
