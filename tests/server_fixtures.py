@@ -28,7 +28,7 @@ SERVED_NAME = "smollm2"
 STARTUP_TIMEOUT_S = float(os.environ.get("TOKENMILL_TEST_STARTUP_TIMEOUT", "300"))
 API_KEY = "test-key-123"
 CONFIGS = {
-    "main": [],
+    "main": ["--max-num-seqs", "64"],     # the disconnect tests hold 20 streams at once
     "guarded": ["--api-key", API_KEY, "--max-num-seqs", "2", "--max-queue-len", "2", "--max-model-len", "128",
                 "--shutdown-timeout", "60"],
 }

@@ -36,7 +36,7 @@ def test_int4_kernel_is_block_quantized_x_times_weight(m, dtype):
     n, k, group = 963, 576, 64                     # odd N: the last row pair has one row
     q, scales, offsets, w = _int4_weight(n, k, group)
     x = torch.randn(m, k).to(dtype)
-    got = Int4DotWeights.build(q, scales, offsets, None, group).linear(x, None)
+    got = Int4DotWeights.build(q, scales, offsets, None, None, group).linear(x)
     assert got.dtype == dtype and got.shape == (m, n)
     ref = quantize_blocks_reference(x, group) @ w.T
     tol = 1e-5 if dtype == torch.float32 else 8e-3                        # bf16 output rounding
@@ -49,7 +49,7 @@ def test_int4_kernel_permutes_x_and_adds_bias():
     q, scales, offsets, w = _int4_weight(n, k, group)
     perm, bias = torch.randperm(k), torch.randn(n)
     x = torch.randn(5, k)
-    got = Int4DotWeights.build(q, scales, offsets, perm, group).linear(x, bias)
+    got = Int4DotWeights.build(q, scales, offsets, perm, bias, group).linear(x)
     ref = quantize_blocks_reference(x[:, perm], group) @ w.T + bias
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
 
@@ -62,7 +62,7 @@ def test_int8_kernel_is_block_quantized_x_times_weight(k):
     row_scale = torch.rand(n) * 0.01
     x = torch.randn(7, k)
     x[2] = 0                                      # an all-zero row: scale 0, no division by zero
-    got = Int8DotWeights.build(codes, row_scale, block).linear(x, None)
+    got = Int8DotWeights.build(codes, row_scale, None, block).linear(x)
     ref = quantize_blocks_reference(x, block) @ (codes.float() * row_scale[:, None]).T
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert (got[2] == 0).all()
@@ -95,5 +95,5 @@ def test_int8_linear_takes_the_int_dot_path(smooth, monkeypatch):
     monkeypatch.setattr(kernels, "_OVERRIDE", 1000)
     got = lin(x)
     xs = x if inv is None else x * inv
-    ref = quantize_blocks_reference(xs, 256) @ lin.dequantize().T + lin.bias
+    ref = quantize_blocks_reference(xs, lin.int_dot.block) @ lin.dequantize().T + lin.bias
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()

@@ -62,7 +62,8 @@ def test_20_dropped_streams_free_everything(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=120,
                                      limits=httpx.Limits(max_connections=40)) as client:
             tasks = [asyncio.create_task(stream_then_drop(client, i, dropped)) for i in range(20)]
-            while server_running() < 20 and not all(t.done() for t in tasks):
+            deadline = time.monotonic() + 60
+            while server_running() < 20 and not all(t.done() for t in tasks) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             running = server_running()
             dropped.set()

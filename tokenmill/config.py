@@ -85,6 +85,16 @@ class ModelConfig:
         return length
 
 
+# (max_num_seqs, max_num_batched_tokens) when not given, for GPUs (False) and CPUs (True). On a
+# CPU both are set for the serving SLA (TTFT P95 < 500 ms, TPOT P95 < 40 ms): a decode step's time
+# grows with the seats in use, and a step that carries a prefill chunk stalls every stream for the
+# chunk's time (~1 ms per token on 2 cores), so a small budget bounds the ITL spikes. SmolLM2
+# decode steps on a 2-core EPYC (benchmarks/profile_decode.py, int8 / rtn4 / bf16, ms): 25.4 /
+# 20.3 / 31.6 at 8 sequences, 40.0 / 39.0 / 40.4 at 16, 60.5 / 60.8 / 50.0 at 24; 12 seats keep
+# the step near 30 ms, leaving room for the prefill chunks within a 40 ms TPOT.
+SCHEDULER_DEFAULTS = {False: (256, 2048), True: (12, 256)}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start. Field names are vLLM's engine arguments."""
@@ -94,8 +104,8 @@ class EngineConfig:
     dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
     device: str = "auto"                      # auto | cpu | cuda
     max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None           # None: SCHEDULER_DEFAULTS for the device
+    max_num_batched_tokens: int | None = None # None: the device's default chunk budget
     block_size: int = 16
     kv_cache_memory: int | None = None        # bytes for the KV cache
     gpu_memory_utilization: float = 0.9
@@ -106,6 +116,21 @@ class EngineConfig:
     num_threads: int | None = None            # CPU intra-op threads (None = torch default)
     quantization: str | None = None           # quantize at load time: int8 | rtn4 | nf4
     quantize_lm_head: bool = False            # also quantize the lm_head (off: it is small and sensitive)
+
+    def resolve_max_num_seqs(self, device: torch.device) -> int:
+        if self.max_num_seqs is None:
+            return SCHEDULER_DEFAULTS[device.type == "cpu"][0]
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        return self.max_num_seqs
+
+    def resolve_max_num_batched_tokens(self, device: torch.device, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            if self.max_num_batched_tokens < 1:
+                raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            return self.max_num_batched_tokens
+        budget = SCHEDULER_DEFAULTS[device.type == "cpu"][1]
+        return budget if self.enable_chunked_prefill else max(max_model_len, budget)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -95,6 +95,8 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--merge-result", default=None,
                    help="earlier compare JSON (same workload) whose servers/HF figures are added to this table")
     p.add_argument("--llama-server", default="llama-cpp-server", help="llama.cpp server binary")
+    p.add_argument("--tokenmill-args", default="",
+                   help="extra `tokenmill serve` flags, e.g. --tokenmill-args='--quantization int8 --quantize-lm-head'")
     _add_workload_args(p)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -102,7 +103,7 @@ def _specs(args: argparse.Namespace, names: list[str], gguf: Path) -> list[Serve
     for n in names:
         if n == "tokenmill":
             specs.append(tokenmill_spec(args.model, args.port, args.parallel, args.ctx_per_seq, args.threads,
-                                        args.dtype))
+                                        args.dtype, extra=shlex.split(args.tokenmill_args)))
         elif n == "llama.cpp":
             specs.append(llama_server_spec(args.llama_server, gguf, args.port, args.parallel, args.ctx_per_seq,
                                            args.threads))

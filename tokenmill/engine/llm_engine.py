@@ -66,10 +66,10 @@ class LLMEngine:
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(f"KV cache holds {num_blocks * config.block_size} tokens, fewer than "
                              f"max_model_len={self.max_model_len}; raise kv_cache_memory or lower max_model_len")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            2048 if config.enable_chunked_prefill else max(self.max_model_len, 2048))
+        self.max_num_seqs = config.resolve_max_num_seqs(self.device)
+        self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids=self.eos_token_ids, seed=config.seed)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant.group import GroupQuant
-from tokenmill.quant.int_dot import CHUNK, Int4DotWeights, int_dot_available
+from tokenmill.quant.int_dot import CHUNK, KERNEL_DTYPES, Int4DotWeights, int_dot_available
 from tokenmill.quant.kernels import use_int_dot_kernel, use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
@@ -83,7 +83,7 @@ class Int4Linear(nn.Module):
                 and int_dot_available()):
             ks = scales.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
             ko = self.offsets.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
-            self.int_dot = Int4DotWeights.build(q[:, :kk], ks, ko, self.perm, self.kernel_group)
+            self.int_dot = Int4DotWeights.build(q[:, :kk], ks, ko, self.perm, bias, self.kernel_group)
         elif use_kernel:
             # torch's int4 kernel dequantizes as (q - 8) * scale + offset, so
             # (q - z) * s == (q - 8) * s + (8 - z) * s.
@@ -123,10 +123,10 @@ class Int4Linear(nn.Module):
         return xp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int_dot is not None and use_int_dot_kernel(x, "int4") and x.dtype in KERNEL_DTYPES:
+            return self.int_dot.linear(x.contiguous())     # the decode hot path: nothing else per call
         out_dtype = x.dtype
-        if self.int_dot is not None and use_int_dot_kernel(x, "int4"):
-            y = self.int_dot.linear(x, None)
-        elif self.packed is not None and use_weight_only_kernel(x, "int4"):
+        if self.packed is not None and use_weight_only_kernel(x, "int4"):
             xp = self._kernel_input(x, torch.bfloat16, self.kernel_k)
             y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.kernel_group, self.scale_zero)
         elif tiled_supported(x, self.k_padded, self.group_size):

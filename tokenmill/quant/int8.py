@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quant.int_dot import Int8DotWeights, int8_block, int_dot_available
+from tokenmill.quant.int_dot import KERNEL_DTYPES, Int8DotWeights, int8_block, int_dot_available
 from tokenmill.quant.kernels import cpu_has_fast_int8_dot, use_int_dot_kernel, use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
@@ -47,7 +47,7 @@ class Int8Linear(nn.Module):
         block = int8_block(self.in_features)
         self.int_dot: Int8DotWeights | None = None
         if block is not None and qweight.device.type == "cpu" and int_dot_available():
-            self.int_dot = Int8DotWeights.build(self.qweight, self.scale, block)
+            self.int_dot = Int8DotWeights.build(self.qweight, self.scale, bias, block)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -63,12 +63,13 @@ class Int8Linear(nn.Module):
         return self.qweight.numel() + self.scale.numel() * 4 + extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int_dot is not None and use_int_dot_kernel(x, "int8") and x.dtype in KERNEL_DTYPES:
+            # weight-only int8 too: x quantized per block of <= 256 columns costs little accuracy
+            # (measured in benchmarks/README.md) and lets the products run in integers
+            xs = x if self.smooth_inv is None else (x * self.smooth_inv).to(x.dtype)
+            return self.int_dot.linear(xs.contiguous())
         out_dtype = x.dtype
-        if self.int_dot is not None and use_int_dot_kernel(x, "int8"):
-            # weight-only int8 too: x quantized per block of <= 256 columns costs ~nothing in
-            # accuracy and lets the products run in integers (int_dot.py)
-            y = self.int_dot.linear(x if self.smooth_inv is None else x.float() * self.smooth_inv, None)
-        elif self.act_quant:
+        if self.act_quant:
             y = self._w8a8(x)
         elif use_weight_only_kernel(x, "int8"):
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale_bf16)

@@ -1,7 +1,7 @@
 """Small-M path for int4 and int8 weights on CPUs with AVX512-VNNI (csrc/int_dot_linear.cpp).
 
-x is quantized per call to int8 in blocks (one scale per block: the int4 weight's group, or a
-block of up to 256 columns for per-channel int8) and multiplied with the weight codes in
+x is quantized per call to int8 in blocks (one scale per block: the int4 weight's group, or 64
+columns for per-channel int8) and multiplied with the weight codes in
 integers. Measured against torch's weight-only kernels in benchmarks/quant_kernels.py
 (`int_dot` columns); which path a layer takes is decided in kernels.py.
 """
@@ -19,7 +19,10 @@ from tokenmill.cpu_extension import load_cpu_extension
 
 _SRC = Path(__file__).parent / "csrc" / "int_dot_linear.cpp"
 CHUNK = 64             # columns per integer dot instruction
-MAX_INT8_BLOCK = 256   # activation block for per-channel int8 (llama.cpp's q8_K uses 256 too)
+# Activation block for per-channel int8 weights. SmolLM2 held-out PPL with every int8 matmul on
+# this kernel (fp32 5.992; float activations 6.007, +0.24 %): blocks of 64 6.021 (+0.48 %), of
+# 192/256 6.053 (+1.01 %, over the +1 % int8 budget) though ~4 % (M=1) to 20 % (M=16) faster.
+INT8_BLOCK = 64
 # TOKENMILL_INT_DOT=0: layers built afterwards keep torch's weight-only kernels (benchmarks, A/B)
 ENABLED = os.environ.get("TOKENMILL_INT_DOT", "1") != "0"
 
@@ -37,8 +40,8 @@ def int_dot_available() -> bool:
 
 
 def int8_block(k: int) -> int | None:
-    """The largest multiple of 64 up to 256 that divides K (None: K is not a multiple of 64)."""
-    return next((b for b in range(MAX_INT8_BLOCK, 0, -CHUNK) if k % b == 0), None)
+    """The activation block for K input columns (None: K is not a multiple of it)."""
+    return INT8_BLOCK if k % INT8_BLOCK == 0 else None
 
 
 def pack_int4_chunks(q: torch.Tensor) -> torch.Tensor:
@@ -49,8 +52,11 @@ def pack_int4_chunks(q: torch.Tensor) -> torch.Tensor:
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
-def _float_x(x: torch.Tensor) -> torch.Tensor:
-    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # x dtypes the kernel reads (and returns)
+
+
+def _bias32(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float().contiguous()
 
 
 @dataclass(frozen=True)
@@ -62,17 +68,19 @@ class Int4DotWeights:
     scales: torch.Tensor    # float16 [N, K/block]
     offsets: torch.Tensor   # float16 [N, K/block]
     perm: torch.Tensor | None
+    bias: torch.Tensor | None   # float32 [N]
     block: int
 
     @classmethod
     def build(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, perm: torch.Tensor | None,
-              block: int) -> "Int4DotWeights":
+              bias: torch.Tensor | None, block: int) -> "Int4DotWeights":
         return cls(pack_int4_chunks(q), scales.half().contiguous(), offsets.half().contiguous(),
-                   None if perm is None else perm.long().contiguous(), block)
+                   None if perm is None else perm.long().contiguous(), _bias32(bias), block)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int_dot_kernels().int4_dot_linear(_float_x(x), self.codes, self.scales, self.offsets, bias,
-                                                 self.perm, self.block)
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] contiguous fp32/bf16 -> x @ W^T + bias in x's dtype."""
+        return int_dot_kernels().int4_dot_linear(x, self.codes, self.scales, self.offsets, self.bias, self.perm,
+                                                 self.block)
 
 
 @dataclass(frozen=True)
@@ -82,16 +90,19 @@ class Int8DotWeights:
     codes: torch.Tensor       # int8 [N, K] (shared with the layer's other paths)
     row_scale: torch.Tensor   # float32 [N]
     code_sums: torch.Tensor   # float32 [N, K/block]
+    bias: torch.Tensor | None   # float32 [N]
     block: int
 
     @classmethod
-    def build(cls, codes: torch.Tensor, row_scale: torch.Tensor, block: int) -> "Int8DotWeights":
+    def build(cls, codes: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None,
+              block: int) -> "Int8DotWeights":
         n, k = codes.shape
         sums = codes.reshape(n, k // block, block).sum(dim=-1, dtype=torch.int32).float() * 128
-        return cls(codes, row_scale.float().contiguous(), sums.contiguous(), block)
+        return cls(codes, row_scale.float().contiguous(), sums.contiguous(), _bias32(bias), block)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int_dot_kernels().int8_dot_linear(_float_x(x), self.codes, self.row_scale, self.code_sums, bias,
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] contiguous fp32/bf16 -> x @ W^T + bias in x's dtype."""
+        return int_dot_kernels().int8_dot_linear(x, self.codes, self.row_scale, self.code_sums, self.bias,
                                                  self.block)
 
 

@@ -30,7 +30,8 @@ _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
 # kernels on those CPUs (the layer then holds no torch-packed copy). All SmolLM2 linears fed bf16,
 # 2-core Zen 4 EPYC, ms int_dot / torch kernel / tiled: int4 3.07 / 3.80 at M=1, 24.2 / 22.1 at
 # 16, 45.4 / 42.0 / 53.4 at 32, 88.7 / 91.9 / 71.3 at 64; int8 6.8 / 7.9 at M=1, 17.7 / 32.5 at
-# 16, 66.0 / 110.9 / 74.9 at 64. Above these rows the tiled GEMM takes over:
+# 16, 66.0 / 110.9 / 74.9 at 64 (x blocks of 192/256; the blocks of 64 kept for accuracy, see
+# int_dot.py, cost ~4 % at M=1 and ~20 % at 16). Above these rows the tiled GEMM takes over:
 _INT_DOT_MAX_ROWS = {"int8": 64, "int4": 32}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step

@@ -85,7 +85,7 @@ def run_server(args: argparse.Namespace) -> None:
     engine = LLMEngine(config)
     names = args.served_model_name or [config.model]
     metrics = EngineMetrics(names[0], log_interval=None if args.disable_log_stats else args.log_stats_interval)
-    max_n = args.max_n or config.max_num_seqs
+    max_n = args.max_n or engine.max_num_seqs
     state = ServerState(
         engine=AsyncLLMEngine(engine, metrics, max_queue_len=args.max_queue_len),
         tokenizer=engine.tokenizer,

@@ -1,0 +1,39 @@
+"""The scheduler's seat count and step token budget: device defaults, explicit values, bad values."""
+import argparse
+
+import pytest
+import torch
+
+from tokenmill.config import SCHEDULER_DEFAULTS, EngineConfig
+from tokenmill.engine_args import add_engine_args, engine_config_from_args
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+def test_defaults_per_device():
+    cfg = EngineConfig()
+    assert cfg.resolve_max_num_seqs(CPU) == SCHEDULER_DEFAULTS[True][0]
+    assert cfg.resolve_max_num_seqs(GPU) == SCHEDULER_DEFAULTS[False][0]
+    assert cfg.resolve_max_num_batched_tokens(CPU, 1024) == SCHEDULER_DEFAULTS[True][1]
+    assert cfg.resolve_max_num_batched_tokens(GPU, 1024) == SCHEDULER_DEFAULTS[False][1]
+    # without chunked prefill a whole prompt must fit one step
+    assert EngineConfig(enable_chunked_prefill=False).resolve_max_num_batched_tokens(CPU, 4096) == 4096
+
+
+def test_explicit_values_win_and_bad_ones_are_refused():
+    assert EngineConfig(max_num_seqs=3).resolve_max_num_seqs(CPU) == 3
+    assert EngineConfig(max_num_batched_tokens=64).resolve_max_num_batched_tokens(CPU, 1024) == 64
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        EngineConfig(max_num_seqs=0).resolve_max_num_seqs(CPU)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        EngineConfig(max_num_batched_tokens=-5).resolve_max_num_batched_tokens(CPU, 1024)
+
+
+def test_flags_parse_as_integers():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--max-num-seqs", "8", "--max-num-batched-tokens", "128"]))
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (8, 128)
+    assert engine_config_from_args(p.parse_args([])).max_num_seqs is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-num-seqs", "many"])
