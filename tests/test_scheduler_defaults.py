@@ -12,10 +12,10 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
 def test_defaults_per_device():
     cfg = EngineConfig()
-    assert cfg.resolve_max_num_seqs(CPU) == SCHEDULER_DEFAULTS[True][0]
-    assert cfg.resolve_max_num_seqs(GPU) == SCHEDULER_DEFAULTS[False][0]
-    assert cfg.resolve_max_num_batched_tokens(CPU, 1024) == SCHEDULER_DEFAULTS[True][1]
-    assert cfg.resolve_max_num_batched_tokens(GPU, 1024) == SCHEDULER_DEFAULTS[False][1]
+    assert cfg.resolve_max_num_seqs(CPU) == SCHEDULER_DEFAULTS["cpu"][0]
+    assert cfg.resolve_max_num_seqs(GPU) == SCHEDULER_DEFAULTS["gpu"][0]
+    assert cfg.resolve_max_num_batched_tokens(CPU, 1024) == SCHEDULER_DEFAULTS["cpu"][1]
+    assert cfg.resolve_max_num_batched_tokens(GPU, 1024) == SCHEDULER_DEFAULTS["gpu"][1]
     # without chunked prefill a whole prompt must fit one step
     assert EngineConfig(enable_chunked_prefill=False).resolve_max_num_batched_tokens(CPU, 4096) == 4096
 

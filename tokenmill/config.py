@@ -85,14 +85,18 @@ class ModelConfig:
         return length
 
 
-# (max_num_seqs, max_num_batched_tokens) when not given, for GPUs (False) and CPUs (True). On a
+# (max_num_seqs, max_num_batched_tokens) when not given, for GPUs and CPUs. On a
 # CPU both are set for the serving SLA (TTFT P95 < 500 ms, TPOT P95 < 40 ms): a decode step's time
 # grows with the seats in use, and a step that carries a prefill chunk stalls every stream for the
 # chunk's time (~1 ms per token on 2 cores), so a small budget bounds the ITL spikes. SmolLM2
 # decode steps on a 2-core EPYC (benchmarks/profile_decode.py, int8 / rtn4 / bf16, ms): 25.4 /
 # 20.3 / 31.6 at 8 sequences, 40.0 / 39.0 / 40.4 at 16, 60.5 / 60.8 / 50.0 at 24; 12 seats keep
 # the step near 30 ms, leaving room for the prefill chunks within a 40 ms TPOT.
-SCHEDULER_DEFAULTS = {False: (256, 2048), True: (12, 256)}
+SCHEDULER_DEFAULTS = {"gpu": (256, 2048), "cpu": (12, 256)}
+
+
+def _scheduler_defaults(device: torch.device) -> tuple[int, int]:
+    return SCHEDULER_DEFAULTS["cpu" if device.type == "cpu" else "gpu"]
 
 
 @dataclass(slots=True)
@@ -119,7 +123,7 @@ class EngineConfig:
 
     def resolve_max_num_seqs(self, device: torch.device) -> int:
         if self.max_num_seqs is None:
-            return SCHEDULER_DEFAULTS[device.type == "cpu"][0]
+            return _scheduler_defaults(device)[0]
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         return self.max_num_seqs
@@ -129,7 +133,7 @@ class EngineConfig:
             if self.max_num_batched_tokens < 1:
                 raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
             return self.max_num_batched_tokens
-        budget = SCHEDULER_DEFAULTS[device.type == "cpu"][1]
+        budget = _scheduler_defaults(device)[1]
         return budget if self.enable_chunked_prefill else max(max_model_len, budget)
 
     def resolve_device(self) -> torch.device:

@@ -78,17 +78,20 @@ class Int4Linear(nn.Module):
             kg //= 2
         if kpad and self.in_features % kg == 0 and kg in _KERNEL_GROUPS:
             self.kernel_group, self.kernel_k = kg, self.in_features
-        reps, kk = g // self.kernel_group, self.kernel_k
+        kk = self.kernel_k
+
+        def per_kernel_group(table: torch.Tensor) -> torch.Tensor:
+            """A per-group table [N, groups] repeated out to the kernel's (smaller) group over kk columns."""
+            return table.repeat_interleave(g // self.kernel_group, dim=1)[:, : kk // self.kernel_group]
+
         if (kk == self.in_features and self.kernel_group % CHUNK == 0 and q.device.type == "cpu"
                 and int_dot_available()):
-            ks = scales.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
-            ko = self.offsets.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
-            self.int_dot = Int4DotWeights.build(q[:, :kk], ks, ko, self.perm, bias, self.kernel_group)
+            self.int_dot = Int4DotWeights.build(q[:, :kk], per_kernel_group(scales), per_kernel_group(self.offsets),
+                                                self.perm, bias, self.kernel_group)
         elif use_kernel:
             # torch's int4 kernel dequantizes as (q - 8) * scale + offset, so
             # (q - z) * s == (q - 8) * s + (8 - z) * s.
-            ks = scales.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
-            kz = zeros.repeat_interleave(reps, dim=1)[:, : kk // self.kernel_group]
+            ks, kz = per_kernel_group(scales), per_kernel_group(zeros)
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q[:, :kk].contiguous().to(torch.int32), 2)
             sz = torch.stack([ks, (8 - kz) * ks], dim=-1).transpose(0, 1)   # [G_kernel, N, 2]
             self.scale_zero = sz.contiguous().to(torch.bfloat16)
