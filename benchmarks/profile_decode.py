@@ -7,7 +7,12 @@ Two passes over the same steady decode state (every sequence past its prompt):
 2. torch.profiler over more steps: self CPU time of every aten/custom op inside the step,
    grouped into matmul kernels (decoder linears + lm_head), attention (cache write + paged
    decode kernel), and the other ops (norms, rope, SiLU, adds, index/copy). Python and dispatch
-   overhead inside the forward = forward wall (pass 1) - forward op time (pass 2).
+   overhead inside the forward = forward wall (pass 1) - forward op time (pass 2). When the C++
+   decode stack runs the layers (the default; --enforce-eager turns it off) the profiler sees it
+   as one op, `tokenmill_stack::decode`;
+3. matmul replay: every linear's input of one step captured (eager layers, same values), then
+   all linears and the lm_head called again in forward order, timed as one loop without the
+   profiler: the matmul time of a step, against which "step / matmul" is reported.
 
     .venv/bin/python benchmarks/profile_decode.py --quantization none,rtn4 --batch-sizes 1,32
 """
@@ -27,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from tokenmill.bench.machine import machine_header
 from tokenmill.llm import LLM
+from tokenmill.model.decode_stack import DecodeStack
 from tokenmill.sampling_params import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_int_mm", "aten::_weight_int8pack_mm",
@@ -69,6 +75,8 @@ def _timing(targets: dict[str, tuple[Any, str]], buckets: dict[str, list[float]]
 
 
 def _category(name: str) -> str | None:
+    if name.startswith("tokenmill_stack::"):
+        return "decoder stack (C++, all layers)"
     if name.startswith(ATTENTION_OPS):
         return "attention"
     if name.startswith(MATMUL_OPS):
@@ -102,11 +110,41 @@ def labelled_kernels():
         ext = getter()
         saved.append((mod, attr, getter))
         setattr(mod, attr, lambda ext=ext, label=label: None if ext is None else _Labelled(ext, label))
+    stack_call = DecodeStack.__call__
+
+    def labelled_stack(self, *a: Any) -> Any:
+        with record_function("tokenmill_stack::decode"):
+            return stack_call(self, *a)
+    DecodeStack.__call__ = labelled_stack
     try:
         yield
     finally:
+        DecodeStack.__call__ = stack_call
         for mod, attr, getter in saved:
             setattr(mod, attr, getter)
+
+
+def matmul_replay(llm: LLM, steps: int) -> float:
+    """ms of one step's linears (decoder layers + lm_head) called on their captured inputs."""
+    eng, model = llm.engine, llm.engine.runner.model
+    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "stack_linear")]
+    hooks = [m.register_forward_hook(lambda mod, inp, out: calls.append((mod, inp[0].clone()))) for m in linears]
+    stack, model.decode_stack = model.decode_stack, None
+    try:
+        eng.step()
+    finally:
+        model.decode_stack = stack
+        for h in hooks:
+            h.remove()
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps + 3):
+            t0 = time.perf_counter()
+            for mod, x in calls:
+                mod(x)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) * 1e3
 
 
 def steady_decode(llm: LLM, batch: int, prompt_len: int) -> None:
@@ -163,6 +201,7 @@ def profile_one(llm: LLM, steps: int) -> dict[str, float]:
             model.compute_logits(hidden)
             t.append(time.perf_counter() - t0)
     out["lm_head matmul"] = statistics.median(t) * 1e3
+    out["matmul replay"] = matmul_replay(llm, steps)
     return out
 
 
@@ -176,13 +215,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="eager layers, no C++ decode stack")
     args = p.parse_args()
     print(machine_header())
     for quant in args.quantization.split(","):
         extra = {} if quant == "none" else {"quantization": quant, "quantize_lm_head": args.quantize_lm_head}
         for b in (int(x) for x in args.batch_sizes.split(",")):
             llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(b, 1),
-                      enable_prefix_caching=False, **extra)
+                      enable_prefix_caching=False, enforce_eager=args.enforce_eager, **extra)
             steady_decode(llm, b, args.prompt_len)
             r = profile_one(llm, args.steps)
             print(f"\n{quant} batch {b}: step {r['step']:.2f} ms (median of {args.steps})")
@@ -194,8 +234,9 @@ def main() -> None:
             for k, v in sorted(ops.items()):
                 print(f"  {k:<16} {v:8.2f} ms (profiled)")
             print(f"  python/dispatch outside ops {r['step'] - op_total:8.2f} ms; "
-                  f"step / matmul = {r['step'] / max(ops.get('op matmul', 1e-9), 1e-9):.2f}x; "
                   f"lm_head matmul alone {r['lm_head matmul']:.2f} ms")
+            print(f"  matmul replay (all linears + lm_head, no profiler) {r['matmul replay']:.2f} ms; "
+                  f"step / matmul = {r['step'] / r['matmul replay']:.2f}x")
             print("  top ops (ms/step): " + ", ".join(f"{k.removeprefix('aten::')} {v:.2f}" for k, v in top))
             del llm
 

@@ -78,3 +78,20 @@ def test_paged_attention_matches_dense_reference(monkeypatch, use_kernel, dtype,
     out = paged_attention(q, k, v, kc, vc, meta, scale)
     ref = expected(q, kc, vc, seqs, scale)
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("hq,hk,d,lens", [
+    (9, 3, 64, [150]),                 # SmolLM2, batch 1: one work item per KV head
+    (9, 3, 64, [3, 40, 77, 130, 9]),   # batched: one work item per sequence
+    (14, 2, 64, [1, 600]),             # Qwen2.5-0.5B's grouping, a context past TOKENS_PER_TASK
+    (32, 8, 128, [5, 31, 18, 2, 64]),  # more query vectors than the vector path holds: scalar path
+    (4, 2, 24, [7, 19]),               # head_dim not a multiple of 16: scalar path
+])
+def test_decode_kernel_shapes_match_dense_reference(dtype, tol, hq, hk, d, lens):
+    """The kernel's vector and scalar paths and both ways of cutting the work."""
+    if paged_decode_kernels() is None:
+        pytest.fail("the C++ decode kernel did not compile")
+    q, k, v, kc, vc, meta, seqs = make_case(dtype, hq, hk, lens=lens, bs=16, d=d)
+    out = paged_attention(q, k, v, kc, vc, meta, d ** -0.5)
+    torch.testing.assert_close(out.double(), expected(q, kc, vc, seqs, d ** -0.5), atol=tol, rtol=tol)

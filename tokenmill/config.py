@@ -120,6 +120,7 @@ class EngineConfig:
     num_threads: int | None = None            # CPU intra-op threads (None = torch default)
     quantization: str | None = None           # quantize at load time: int8 | rtn4 | nf4
     quantize_lm_head: bool = False            # also quantize the lm_head (off: it is small and sensitive)
+    enforce_eager: bool = False               # True: always the eager layers, never the C++ decode stack
 
     def resolve_max_num_seqs(self, device: torch.device) -> int:
         if self.max_num_seqs is None:

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -36,8 +37,25 @@ def cpu_flags() -> str:
     return os.uname().machine
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_texts(source: Path) -> list[str]:
+    """The source and every local header it pulls in ("..." includes, recursively): a build is
+    stale when any of them changes."""
+    seen: dict[Path, str] = {}
+    todo = [source.resolve()]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = path.read_text()
+        todo.extend((path.parent / inc).resolve() for inc in _LOCAL_INCLUDE.findall(seen[path]))
+    return list(seen.values())
+
+
 def build_directory(name: str, source: Path) -> Path:
-    key = hashlib.sha256("\0".join([source.read_text(), *CFLAGS, *LDFLAGS, torch.__version__,
+    key = hashlib.sha256("\0".join([*source_texts(source), *CFLAGS, *LDFLAGS, torch.__version__,
                                     cpu_flags()]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
     return root / f"{name}-{key}"

@@ -16,6 +16,8 @@ _HELP = {
     "block_size": "tokens per KV-cache block",
     "scheduling_policy": "fcfs | priority",
     "num_threads": "CPU threads for torch (default: all cores)",
+    "enforce_eager": "run every step through the eager PyTorch layers (off: pure-decode CPU steps run all "
+                     "layers in one C++ call, same kernels and bits)",
     "max_num_seqs": "most sequences in a step (default: 12 on CPU, sized for TPOT P95 < 40 ms; 256 on GPU)",
     "max_num_batched_tokens": "token budget of a step, prefill chunks included (default: 256 on CPU, "
                               "bounding the inter-token stall a prefill causes; 2048 on GPU)",

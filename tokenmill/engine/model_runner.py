@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
+from tokenmill.model.decode_stack import DecodeStack
 from tokenmill.engine.sampler import gather_logprobs
 from tokenmill.model.llama import LlamaForCausalLM, hf_module_sources, hf_row_sizes
 from tokenmill.quant.checkpoint import load_quantized_linears
@@ -63,6 +64,8 @@ class ModelRunner:
             log.info("weights quantized with %s: %.1f MB (float %s: %.1f MB)", quant.method,
                      self.weight_bytes / 1e6, str(dtype).removeprefix("torch."), self.float_weight_bytes / 1e6)
         self.model = model.eval()
+        if not config.enforce_eager:
+            model.decode_stack = DecodeStack.build(model)
         self.num_blocks = self._num_kv_blocks(config)
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),

@@ -73,12 +73,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # all layers of a pure-decode step in one C++ call (model/decode_stack.py); set by the
+        # runner once the weights are final, None = the eager layers below
+        self.decode_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] in the model dtype; call `compute_logits`
         on the rows that sample."""
         x = self.embed_tokens(input_ids).float()
+        if self.decode_stack is not None and self.decode_stack.applies(x, kv_caches, meta):
+            return self.norm(self.decode_stack(x, positions, kv_caches, meta))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv, meta)
         return self.norm(x)

@@ -82,6 +82,10 @@ class Int4DotWeights:
         return int_dot_kernels().int4_dot_linear(x, self.codes, self.scales, self.offsets, self.bias, self.perm,
                                                  self.block)
 
+    def stack_linear(self, ext: ModuleType, max_rows: int):
+        """The same kernel on the same tensors as a linear of the C++ decode stack."""
+        return ext.Linear.int4(self.codes, self.scales, self.offsets, self.bias, self.perm, self.block, max_rows)
+
 
 @dataclass(frozen=True)
 class Int8DotWeights:
@@ -104,6 +108,10 @@ class Int8DotWeights:
         """x [M, K] contiguous fp32/bf16 -> x @ W^T + bias in x's dtype."""
         return int_dot_kernels().int8_dot_linear(x, self.codes, self.row_scale, self.code_sums, self.bias,
                                                  self.block)
+
+    def stack_linear(self, ext: ModuleType, max_rows: int):
+        """The same kernel on the same tensors as a linear of the C++ decode stack."""
+        return ext.Linear.int8(self.codes, self.row_scale, self.code_sums, self.bias, self.block, max_rows)
 
 
 def quantize_blocks_reference(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -50,10 +50,14 @@ def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
     return x.device.type == "cpu" and x.shape[0] <= limit
 
 
+def int_dot_max_rows(fmt: str) -> int:
+    """Rows M up to which `fmt` (int8 / int4) takes the integer-dot kernel."""
+    return _INT_DOT_MAX_ROWS[fmt] if _OVERRIDE is None else _OVERRIDE
+
+
 def use_int_dot_kernel(x: torch.Tensor, fmt: str) -> bool:
     """True when x [M, K] should go through the integer-dot kernel (the layer checks it exists)."""
-    limit = _INT_DOT_MAX_ROWS[fmt] if _OVERRIDE is None else _OVERRIDE
-    return x.device.type == "cpu" and x.shape[0] <= limit
+    return x.device.type == "cpu" and x.shape[0] <= int_dot_max_rows(fmt)
 
 
 @functools.cache

@@ -1,0 +1,192 @@
+// Paged attention for decode rows on CPU: each query token attends to its sequence's
+// K/V read straight from the block-paged cache, with no gather copy and no padding.
+// Built with -ffast-math so that the exp/softmax loops vectorize (glibc's libmvec); the
+// kernel never sees inf/NaN inputs by construction (only valid positions are read).
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace tokenmill::attention {
+
+template <typename T>
+static inline float to_float(T x) { return static_cast<float>(x); }
+
+// bf16 -> fp32 is a 16-bit shift; spelled out so the compiler vectorizes it inside the loops.
+template <>
+inline float to_float<at::BFloat16>(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Calls visit(t, row) for the context's tokens t = 0..len-1 in order, row pointing at token
+// t's K (or V) row; walks block by block, so no division per token.
+template <typename T, typename F>
+static inline void for_each_row(const T* cache, const int32_t* table, int64_t len, int64_t block_size,
+                                int64_t row_len, F&& visit) {
+  for (int64_t b = 0, t = 0; t < len; ++b) {
+    const T* block = cache + static_cast<int64_t>(table[b]) * block_size * row_len;
+    for (int64_t i = 0; i < block_size && t < len; ++i, ++t) visit(t, block + i * row_len);
+  }
+}
+
+// Token rows of context a work item should hold before it is worth its own thread: below it
+// (batch 1, short contexts) the whole call runs on the calling thread, an OpenMP fork costing
+// more than the arithmetic.
+constexpr int64_t TOKENS_PER_TASK = 1024;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+constexpr int64_t MAX_VECS = 128;  // query heads x head_dim / 16 the vector path holds (16 heads x 128)
+#endif
+
+// Softmax of `len` scores in place.
+static inline void softmax_(float* sh, int64_t len) {
+  const float mx = *std::max_element(sh, sh + len);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < len; ++t) {
+    sh[t] = std::exp(sh[t] - mx);
+    sum += sh[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+}
+
+// One sequence, KV heads [h0, h1): query heads h0 * group .. h1 * group - 1, qs [(h1 - h0) * group,
+// D] (already scaled), attend to the context's K/V rows of their KV head; out acc [same shape].
+// scores: [(h1 - h0) * group, len] scratch.
+template <typename T>
+static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+                         int64_t block_size, int64_t row_len, int64_t h0, int64_t h1, int64_t group, int64_t D,
+                         float* scores, float* acc) {
+  const int64_t heads = (h1 - h0) * group;
+#if defined(__AVX512F__)
+  constexpr bool vector_dtype = !std::is_same_v<T, double>;
+  const int64_t nv = D / 16;
+  if constexpr (vector_dtype) if (D % 16 == 0 && heads * nv <= MAX_VECS) {
+    __m512 qv[MAX_VECS], av[MAX_VECS];
+    for (int64_t i = 0; i < heads * nv; ++i) qv[i] = _mm512_loadu_ps(qs + 16 * i);
+    for_each_row(k_cache, table, len, block_size, row_len, [&](int64_t t, const T* krow) {
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const T* kh = krow + (h0 + hq / group) * D;
+        __m512 dot = _mm512_mul_ps(qv[hq * nv], load16(kh));
+        for (int64_t j = 1; j < nv; ++j) dot = _mm512_fmadd_ps(qv[hq * nv + j], load16(kh + 16 * j), dot);
+        scores[hq * len + t] = _mm512_reduce_add_ps(dot);
+      }
+    });
+    for (int64_t hq = 0; hq < heads; ++hq) softmax_(scores + hq * len, len);
+    for (int64_t i = 0; i < heads * nv; ++i) av[i] = _mm512_setzero_ps();
+    for_each_row(v_cache, table, len, block_size, row_len, [&](int64_t t, const T* vrow) {
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t j = 0; j < nv; ++j) {
+          const __m512 v = load16(vrow + h * D + 16 * j);
+          for (int64_t hq = (h - h0) * group; hq < (h - h0 + 1) * group; ++hq)
+            av[hq * nv + j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[hq * len + t]), v, av[hq * nv + j]);
+        }
+    });
+    for (int64_t i = 0; i < heads * nv; ++i) _mm512_storeu_ps(acc + 16 * i, av[i]);
+    return;
+  }
+#endif
+  for_each_row(k_cache, table, len, block_size, row_len, [&](int64_t t, const T* krow) {
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const float* qh = qs + hq * D;
+      const T* kh = krow + (h0 + hq / group) * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
+      scores[hq * len + t] = dot;
+    }
+  });
+  for (int64_t hq = 0; hq < heads; ++hq) softmax_(scores + hq * len, len);
+  std::fill(acc, acc + heads * D, 0.f);
+  for_each_row(v_cache, table, len, block_size, row_len, [&](int64_t t, const T* vrow) {
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const float p = scores[hq * len + t];
+      const T* vh = vrow + (h0 + hq / group) * D;
+      float* ah = acc + hq * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
+    }
+  });
+}
+
+template <typename T>
+static void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                             const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             int64_t table_width, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t D = head_dim;
+  const int64_t HD = num_heads * D;
+  const int64_t row_len = num_kv_heads * D;   // one token's K (or V) for all heads: contiguous
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total_len += context_lens[s];
+  // Work item = one sequence with all its heads (each K/V row read once, whole), or, when there
+  // are too few sequences to keep the threads busy, one (sequence, KV head).
+  const int64_t split = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
+  const int64_t kv_per_item = num_kv_heads / split;
+  const int64_t mean_len = std::max<int64_t>(1, total_len / std::max<int64_t>(num_seqs, 1));
+  const int64_t grain = std::max<int64_t>(1, (TOKENS_PER_TASK + mean_len - 1) / mean_len);
+  // Blocks are walked front to back, so memory access is sequential within a block (the
+  // hardware prefetcher's favourite).
+  at::parallel_for(0, num_seqs * split, grain, [&](int64_t begin, int64_t end) {
+    const int64_t heads = kv_per_item * group;
+    std::vector<float> qf(heads * D), acc(heads * D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / split, h0 = (item % split) * kv_per_item;
+      const int64_t len = context_lens[s];
+      const T* qs = q + s * HD + h0 * group * D;
+      scores.resize(heads * len);
+      for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(qs[i]) * scale;
+      attend_heads(qf.data(), k_cache, v_cache, block_tables + s * table_width, len, block_size, row_len, h0,
+                   h0 + kv_per_item, group, D, scores.data(), acc.data());
+      T* o = out + s * HD + h0 * group * D;
+      for (int64_t i = 0; i < heads * D; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+// q: [S, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hk, D]; block_tables: [S, W] int32;
+// context_lens: [S] int32. Returns [S, Hq, D] in q's dtype.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the KV cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
+              "block_tables and context_lens must be int32");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
+  auto out = torch::empty_like(q);
+  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hk == 0, "head shapes disagree");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                               block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                               out.data_ptr<scalar_t>(), S, Hq, Hk, D, bs, block_tables.size(1),
+                               static_cast<float>(scale));
+  });
+  return out;
+}
+
+}  // namespace tokenmill::attention

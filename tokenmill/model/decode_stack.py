@@ -1,0 +1,75 @@
+"""All decoder layers of a pure-decode CPU step in one C++ call (csrc/decode_stack.cpp).
+
+The eager layers spend as long in Python and op dispatch as in their matmuls at batch 1; the
+stack runs the same kernels, in the same order, on the same tensors (held, not copied) and gives
+the same bits. A linear joins the stack by describing itself: `nn.Linear` as a dense matmul, a
+quantized layer through its `stack_linear(ext, dtype)` (None = it cannot, e.g. SmoothQuant's
+smoothing, NF4, LoRA wrappers). One linear that cannot keeps the whole model on the eager path.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.model.attention import AttentionMetadata
+
+_SRC = Path(__file__).parent / "csrc" / "decode_stack.cpp"
+
+
+@functools.cache
+def decode_stack_kernels() -> ModuleType | None:
+    return load_cpu_extension("tokenmill_decode_stack", _SRC)
+
+
+def _stack_linear(module: nn.Module, ext: ModuleType, dtype: torch.dtype):
+    if type(module) is nn.Linear:
+        return ext.Linear.dense(module.weight, module.bias)
+    describe = getattr(module, "stack_linear", None)
+    return None if describe is None else describe(ext, dtype)
+
+
+class DecodeStack:
+    """The C++ stack of a model's decoder layers; `build` returns None where it cannot apply."""
+
+    def __init__(self, stack, dtype: torch.dtype) -> None:
+        self._stack, self.max_rows, self.dtype = stack, stack.max_rows, dtype
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "DecodeStack | None":
+        """For a Llama-family model on CPU whose every linear can join, else None."""
+        ext = decode_stack_kernels()
+        dtype = model.norm.weight.dtype
+        if ext is None or model.norm.weight.device.type != "cpu":
+            return None
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_stack_linear(m, ext, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(lin is None for lin in linears):
+                return None
+            layers.append(ext.Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears))
+        first = model.layers[0]
+        attn = first.self_attn
+        if any(l.input_layernorm.eps != first.input_layernorm.eps or l.post_attention_layernorm.eps != first.input_layernorm.eps
+               for l in model.layers) or model.rope.cos.dtype != torch.float32:
+            return None
+        stack = ext.DecoderStack(layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                 attn.scale, model.rope.cos, model.rope.sin)
+        return cls(stack, dtype)
+
+    def applies(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> bool:
+        """A pure-decode step (no prefill chunk) with rows the stack's kernels take, no autograd,
+        a K/V cache in the model's dtype."""
+        return (not meta.prefills and meta.num_decode_tokens == x.shape[0] <= self.max_rows
+                and not torch.is_grad_enabled() and kv_caches[0][0].dtype == self.dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        return self._stack.decode(x, positions, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                  meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
