@@ -128,7 +128,8 @@ def matmul_replay(llm: LLM, steps: int) -> float:
     """ms of one step's linears (decoder layers + lm_head) called on their captured inputs."""
     eng, model = llm.engine, llm.engine.runner.model
     calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
-    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "stack_linear")]
+    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")   # any weight format
+    linears = [m for name, m in model.named_modules() if name.rpartition(".")[2] in projections]
     hooks = [m.register_forward_hook(lambda mod, inp, out: calls.append((mod, inp[0].clone()))) for m in linears]
     stack, model.decode_stack = model.decode_stack, None
     try:

@@ -46,6 +46,10 @@ class DecodeStack:
         dtype = model.norm.weight.dtype
         if ext is None or model.norm.weight.device.type != "cpu":
             return None
+        eps = model.layers[0].input_layernorm.eps
+        if model.rope.cos.dtype != torch.float32 or any(
+                norm.eps != eps for l in model.layers for norm in (l.input_layernorm, l.post_attention_layernorm)):
+            return None
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -53,13 +57,9 @@ class DecodeStack:
             if any(lin is None for lin in linears):
                 return None
             layers.append(ext.Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears))
-        first = model.layers[0]
-        attn = first.self_attn
-        if any(l.input_layernorm.eps != first.input_layernorm.eps or l.post_attention_layernorm.eps != first.input_layernorm.eps
-               for l in model.layers) or model.rope.cos.dtype != torch.float32:
-            return None
-        stack = ext.DecoderStack(layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                 attn.scale, model.rope.cos, model.rope.sin)
+        attn = model.layers[0].self_attn
+        stack = ext.DecoderStack(layers, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                                 model.rope.cos, model.rope.sin)
         return cls(stack, dtype)
 
     def applies(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -17,7 +17,7 @@ from torch import nn
 
 from tokenmill.quant.group import GroupQuant
 from tokenmill.quant.int_dot import CHUNK, KERNEL_DTYPES, Int4DotWeights, int_dot_available
-from tokenmill.quant.kernels import int_dot_max_rows, use_int_dot_kernel, use_weight_only_kernel
+from tokenmill.quant.kernels import use_int_dot_kernel, use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
 _KERNEL_GROUPS = (32, 64, 128, 256)
@@ -129,9 +129,7 @@ class Int4Linear(nn.Module):
 
     def stack_linear(self, ext: ModuleType, dtype: torch.dtype):
         """This layer's decode kernel for the C++ decode stack (model/decode_stack.py), or None."""
-        if self.int_dot is None or dtype not in KERNEL_DTYPES or not ext.has_int_dot():
-            return None
-        return self.int_dot.stack_linear(ext, int_dot_max_rows("int4"))
+        return None if self.int_dot is None else self.int_dot.stack_linear(ext, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int_dot is not None and use_int_dot_kernel(x, "int4") and x.dtype in KERNEL_DTYPES:

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.quant.int_dot import KERNEL_DTYPES, Int8DotWeights, int8_block, int_dot_available
-from tokenmill.quant.kernels import (cpu_has_fast_int8_dot, int_dot_max_rows, use_int_dot_kernel,
-                                     use_weight_only_kernel)
+from tokenmill.quant.kernels import cpu_has_fast_int8_dot, use_int_dot_kernel, use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
 
 
@@ -68,9 +67,9 @@ class Int8Linear(nn.Module):
     def stack_linear(self, ext: ModuleType, dtype: torch.dtype):
         """This layer's decode kernel for the C++ decode stack (model/decode_stack.py), or None
         (SmoothQuant's per-call smoothing stays on the eager path)."""
-        if self.int_dot is None or self.smooth_inv is not None or dtype not in KERNEL_DTYPES or not ext.has_int_dot():
+        if self.int_dot is None or self.smooth_inv is not None:
             return None
-        return self.int_dot.stack_linear(ext, int_dot_max_rows("int8"))
+        return self.int_dot.stack_linear(ext, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int_dot is not None and use_int_dot_kernel(x, "int8") and x.dtype in KERNEL_DTYPES:

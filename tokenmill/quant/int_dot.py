@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 
 from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.quant.kernels import int_dot_max_rows
 
 _SRC = Path(__file__).parent / "csrc" / "int_dot_linear.cpp"
 CHUNK = 64             # columns per integer dot instruction
@@ -55,6 +56,11 @@ def pack_int4_chunks(q: torch.Tensor) -> torch.Tensor:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)   # x dtypes the kernel reads (and returns)
 
 
+def _stack_can_run(ext: ModuleType, dtype: torch.dtype) -> bool:
+    """The decode stack was built with the kernels and feeds them a dtype they read."""
+    return dtype in KERNEL_DTYPES and ext.has_int_dot()
+
+
 def _bias32(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float().contiguous()
 
@@ -82,9 +88,12 @@ class Int4DotWeights:
         return int_dot_kernels().int4_dot_linear(x, self.codes, self.scales, self.offsets, self.bias, self.perm,
                                                  self.block)
 
-    def stack_linear(self, ext: ModuleType, max_rows: int):
-        """The same kernel on the same tensors as a linear of the C++ decode stack."""
-        return ext.Linear.int4(self.codes, self.scales, self.offsets, self.bias, self.perm, self.block, max_rows)
+    def stack_linear(self, ext: ModuleType, dtype: torch.dtype):
+        """The same kernel on the same tensors as a linear of the C++ decode stack, or None."""
+        if not _stack_can_run(ext, dtype):
+            return None
+        return ext.Linear.int4(self.codes, self.scales, self.offsets, self.bias, self.perm, self.block,
+                               int_dot_max_rows("int4"))
 
 
 @dataclass(frozen=True)
@@ -109,9 +118,12 @@ class Int8DotWeights:
         return int_dot_kernels().int8_dot_linear(x, self.codes, self.row_scale, self.code_sums, self.bias,
                                                  self.block)
 
-    def stack_linear(self, ext: ModuleType, max_rows: int):
-        """The same kernel on the same tensors as a linear of the C++ decode stack."""
-        return ext.Linear.int8(self.codes, self.row_scale, self.code_sums, self.bias, self.block, max_rows)
+    def stack_linear(self, ext: ModuleType, dtype: torch.dtype):
+        """The same kernel on the same tensors as a linear of the C++ decode stack, or None."""
+        if not _stack_can_run(ext, dtype):
+            return None
+        return ext.Linear.int8(self.codes, self.row_scale, self.code_sums, self.bias, self.block,
+                               int_dot_max_rows("int8"))
 
 
 def quantize_blocks_reference(x: torch.Tensor, block: int) -> torch.Tensor:
