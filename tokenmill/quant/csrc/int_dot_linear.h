@@ -22,8 +22,12 @@
 //   x + 128: sum((xq + 128) * q) = sum(xq * q) + 128 * sum(q), so a per-row, per-block table
 //   `code_sums` = 128 * sum(q) is subtracted, scaled by the x block's scale.
 //
-// The weight codes are read with a software prefetch PREFETCH_BYTES ahead: measured on a 2-core
-// EPYC (Zen 4), all SmolLM2 int8 linears at M = 1 took 7.1 ms without it and 5.2 ms with 1 KiB.
+// The weight codes are read with a software prefetch PREFETCH_BYTES ahead into L2 (the L1
+// streamer takes it from there): each linear of a 135M model is only 0.3-1.8 MB, too short for
+// the hardware prefetchers to ramp up. All SmolLM2 int8 linears + lm_head at M = 1: on a 2-core
+// EPYC (Zen 4) 7.1 ms without prefetch, 5.2 ms with 1 KiB into L1; on a 2-core Sapphire Rapids
+// 8.9 ms without, 5.9-7.3 ms with 1 KiB into L1, 4.2-5.0 ms with 8 KiB into L2 (int4: 3.0-3.6
+// -> 2.9-3.1 ms); a pure read of the same bytes 2.6-3.2 ms.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -43,7 +47,7 @@ namespace tokenmill::int_dot {
 constexpr int CHUNK = 64;                 // columns per vpdpbusd
 constexpr int MT_MAX = 4;                 // activation rows per register tile
 constexpr int RT = 2;                     // weight rows per tile: independent chains at M = 1
-constexpr int64_t PREFETCH_BYTES = 1024;  // of the weight codes; 2 KiB was no better
+constexpr int64_t PREFETCH_BYTES = 8192;  // of the weight codes, into L2 (see the note at the top)
 
 // x after block quantization: codes [M, K] (int8, or uint8 = int8 + 128), per-block scales and
 // sums of the dequantized block [M, K/B].
@@ -165,7 +169,7 @@ inline void tile_dots(const Weights& w, const Activations& a, int64_t n, int64_t
       __m512i wv[R];
       for (int r = 0; r < R; ++r) {
         const uint8_t* p = w.codes + (n + r) * row_bytes + (BITS == 4 ? k / 2 : k);
-        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T1);
         wv[r] = BITS == 4 ? unpack_int4(p) : _mm512_loadu_si512(p);
       }
       for (int t = 0; t < MT; ++t) {
