@@ -37,3 +37,18 @@ def test_flags_parse_as_integers():
     assert engine_config_from_args(p.parse_args([])).max_num_seqs is None
     with pytest.raises(SystemExit):
         p.parse_args(["--max-num-seqs", "many"])
+
+
+def test_idle_budget_widens_only_the_device_default():
+    assert EngineConfig().resolve_max_idle_batched_tokens(CPU, 1024) == SCHEDULER_DEFAULTS["cpu"][2]
+    # a step budget the user chose caps idle steps too, unless the idle budget is given as well
+    assert EngineConfig(max_num_batched_tokens=64).resolve_max_idle_batched_tokens(CPU, 1024) == 64
+    cfg = EngineConfig(max_num_batched_tokens=64, max_idle_batched_tokens=512)
+    assert cfg.resolve_max_idle_batched_tokens(CPU, 1024) == 512
+    # without chunked prefill the step budget already holds a whole prompt
+    assert EngineConfig(enable_chunked_prefill=False).resolve_max_idle_batched_tokens(CPU, 4096) == 4096
+    with pytest.raises(ValueError, match="max_idle_batched_tokens=32 is below the step budget"):
+        EngineConfig(max_num_batched_tokens=64, max_idle_batched_tokens=32).resolve_max_idle_batched_tokens(CPU, 1024)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args(["--max-idle-batched-tokens", "999"])).max_idle_batched_tokens == 999

@@ -21,6 +21,8 @@ _HELP = {
     "max_num_seqs": "most sequences in a step (default: 12 on CPU, sized for TPOT P95 < 40 ms; 256 on GPU)",
     "max_num_batched_tokens": "token budget of a step, prefill chunks included (default: 256 on CPU, "
                               "bounding the inter-token stall a prefill causes; 2048 on GPU)",
+    "max_idle_batched_tokens": "token budget of a step in which no sequence streams output, so big prefill "
+                               "chunks stall nobody (default: 2048, or max_num_batched_tokens when that is given)",
 }
 
 
@@ -44,7 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
             parser.add_argument(flag, type=parse_bytes, default=default, help=help_)
         else:
             kind = {int: int, float: float}.get(type(default), str)
-            if f.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_threads"):
+            if f.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_idle_batched_tokens",
+                          "num_threads"):
                 kind = int
             parser.add_argument(flag, type=kind, default=default, help=help_)
 

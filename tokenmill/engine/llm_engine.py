@@ -70,7 +70,8 @@ class LLMEngine:
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                   config.resolve_max_idle_batched_tokens(self.device, self.max_model_len))
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids=self.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Request] = {}

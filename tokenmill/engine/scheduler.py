@@ -3,7 +3,9 @@
 Every step fills a token budget: running sequences first (one decode token each, or the next
 chunk of an unfinished prefill), then waiting sequences in policy order. A sequence is
 scheduled for `num_tokens - num_computed_tokens` tokens, capped by the budget when chunked
-prefill is on. When the KV cache runs out, the lowest-priority, latest-arrived running
+prefill is on. The budget is `idle_budget` (larger) in a step where no sequence has produced
+output yet: nobody streams, so no inter-token latency suffers from big prefill chunks,
+which run faster per token. When the KV cache runs out, the lowest-priority, latest-arrived running
 sequence is preempted: its blocks are freed and it is requeued to be recomputed (the prefix
 cache usually makes that cheap). Nothing is dropped: a preempted sequence keeps its tokens.
 """
@@ -22,12 +24,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs") -> None:
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", idle_budget: int | None = None) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.idle_budget = max(max_num_batched_tokens, idle_budget or 0)
         self.chunked = enable_chunked_prefill
         self.policy = policy
         self.waiting: list[Sequence] = []
@@ -84,10 +87,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         if self.policy == "priority":
             self._make_room_for_priority()
         self.running.sort(key=self._key)
+        # a preempted sequence waiting for its recompute has streamed too: its user waits on this step
+        streaming = any(seq.num_output_tokens for seq in self.running + self.waiting)
+        budget = self.max_num_batched_tokens if streaming else self.idle_budget
         scheduled: set[int] = set()
         memory_short = False
         # 1. running sequences, most important first; preempt from the back when memory is short
