@@ -42,6 +42,7 @@ class FakeEngine:
         self.num_blocks = num_blocks
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, finish=lambda seq: None)
         self.block_manager = SimpleNamespace(usage=0.0, prefix_queries=0, prefix_hits=0)
+        self.spec = None               # no speculative decoding
         self.steps = 0
         self.log: list[str] = []
 
@@ -199,6 +200,21 @@ def test_metrics_snapshot_counters_and_log_line():
     m.on_snapshot(EngineSnapshot(0, 0, 0.0, 4, 150, 60))
     m.maybe_log(now=m._log_time + 2.0)
     assert m.maybe_log(now=m._log_time + 2.0) is None       # idle: no line
+
+
+def test_metrics_speculative_counters_and_log_line():
+    m = EngineMetrics("m", log_interval=1.0)
+    m.on_snapshot(EngineSnapshot(1, 0, 0.5, 0, 0, 0, spec_drafts=4, spec_draft_tokens=16, spec_accepted_tokens=6,
+                                 spec_accepted_per_position=(3, 2, 1, 0)))
+    m.on_snapshot(EngineSnapshot(1, 0, 0.5, 0, 0, 0, spec_drafts=10, spec_draft_tokens=40, spec_accepted_tokens=20,
+                                 spec_accepted_per_position=(8, 6, 4, 2)))
+    text = m.render().decode()
+    assert 'tokenmill:spec_decode_num_drafts_total{model_name="m"} 10.0' in text
+    assert 'tokenmill:spec_decode_num_draft_tokens_total{model_name="m"} 40.0' in text
+    assert 'tokenmill:spec_decode_num_accepted_tokens_total{model_name="m"} 20.0' in text
+    assert 'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 6.0' in text
+    line = m.maybe_log(now=m._log_time + 2.0)
+    assert "spec acceptance rate 50.0%" in line and "mean acceptance length 3.00" in line
 
 
 # ---- formatting --------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.bench == "quant-speed":
         from tokenmill.bench.quant_speed import run_quant_speed
         run_quant_speed(args)
+    elif args.bench == "spec":
+        from tokenmill.bench.spec_bench import run_spec_bench
+        run_spec_bench(args)
     elif args.bench == "quality":
         from tokenmill.bench.quality import run_quality_bench
         run_quality_bench(args)

@@ -126,6 +126,7 @@ class EngineConfig:
     quantization: str | None = None           # quantize at load time: int8 | rtn4 | nf4
     quantize_lm_head: bool = False            # also quantize the lm_head (off: it is small and sensitive)
     enforce_eager: bool = False               # True: always the eager layers, never the C++ decode stack
+    speculative_config: Any = None            # dict / JSON text / SpeculativeConfig (tokenmill/spec/config.py)
 
     def resolve_max_num_seqs(self, device: torch.device) -> int:
         if self.max_num_seqs is None:

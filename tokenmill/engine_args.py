@@ -18,6 +18,9 @@ _HELP = {
     "num_threads": "CPU threads for torch (default: all cores)",
     "enforce_eager": "run every step through the eager PyTorch layers (off: pure-decode CPU steps run all "
                      "layers in one C++ call, same kernels and bits)",
+    "speculative_config": 'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", '
+                          '"model": "...", "num_speculative_tokens": 4}; optional "disable_by_batch_size"',
     "max_num_seqs": "most sequences in a step (default: 12 on CPU, sized for TPOT P95 < 40 ms; 256 on GPU)",
     "max_num_batched_tokens": "token budget of a step, prefill chunks included (default: 256 on CPU, "
                               "bounding the inter-token stall a prefill causes; 2048 on GPU)",

@@ -38,6 +38,10 @@ class EngineSnapshot:
     num_preemptions: int
     prefix_queries: int       # prompt tokens looked up in the prefix cache
     prefix_hits: int          # of those, tokens served from the cache
+    spec_drafts: int = 0      # speculative verification rounds (0 without speculation)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -84,6 +88,14 @@ class EngineMetrics:
                                       labels, registry=r).labels(model_name)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                                    labels, registry=r).labels(model_name)
+        self.spec_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Speculative verification rounds.",
+                                   labels, registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                                         labels, registry=r).labels(model_name)
+        self.spec_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            labels, registry=r).labels(model_name)
+        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.", labels + ["position"], registry=r)
         self._progress: dict[str, _Progress] = {}
         self._last: EngineSnapshot | None = None
         # interval accumulators for the log line
@@ -138,15 +150,18 @@ class EngineMetrics:
         self.running.set(snap.num_running)
         self.waiting.set(snap.num_waiting)
         self.kv_usage.set(snap.kv_cache_usage)
-        last = self._last
-        if last is not None:   # counters only go up: feed them the deltas of the engine's totals
-            self.preemptions.inc(max(snap.num_preemptions - last.num_preemptions, 0))
-            self.prefix_queries.inc(max(snap.prefix_queries - last.prefix_queries, 0))
-            self.prefix_hits.inc(max(snap.prefix_hits - last.prefix_hits, 0))
-        else:
-            self.preemptions.inc(snap.num_preemptions)
-            self.prefix_queries.inc(snap.prefix_queries)
-            self.prefix_hits.inc(snap.prefix_hits)
+        # counters only go up: feed them the deltas of the engine's totals
+        last = self._last or EngineSnapshot(0, 0, 0.0, 0, 0, 0)
+        for counter, now, before in ((self.preemptions, snap.num_preemptions, last.num_preemptions),
+                                     (self.prefix_queries, snap.prefix_queries, last.prefix_queries),
+                                     (self.prefix_hits, snap.prefix_hits, last.prefix_hits),
+                                     (self.spec_drafts, snap.spec_drafts, last.spec_drafts),
+                                     (self.spec_draft_tokens, snap.spec_draft_tokens, last.spec_draft_tokens),
+                                     (self.spec_accepted_tokens, snap.spec_accepted_tokens, last.spec_accepted_tokens)):
+            counter.inc(max(now - before, 0))
+        for pos, count in enumerate(snap.spec_accepted_per_position):
+            before = last.spec_accepted_per_position[pos] if pos < len(last.spec_accepted_per_position) else 0
+            self._spec_per_pos.labels(self._model_name, str(pos)).inc(max(count - before, 0))
         self._last = snap
         if snap.num_running or snap.num_waiting:
             self._log_busy = True
@@ -169,6 +184,9 @@ class EngineMetrics:
                     f"prompt throughput {self._log_prompt / elapsed:.1f} tok/s, "
                     f"generation throughput {self._log_gen / elapsed:.1f} tok/s, "
                     f"prefix cache hit rate {hit:.1f}%")
+            if snap.spec_drafts:
+                line += (f", spec acceptance rate {100 * snap.spec_accepted_tokens / snap.spec_draft_tokens:.1f}%, "
+                         f"mean acceptance length {1 + snap.spec_accepted_tokens / snap.spec_drafts:.2f}")
             log.info(line)
         self._log_time, self._log_prompt, self._log_gen = now, 0, 0
         self._log_busy = bool(snap and (snap.num_running or snap.num_waiting))

@@ -47,6 +47,8 @@ class Sequence:
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # prefix hash of each full block
+    # speculative drafts to verify this step, after the last token (never part of token_ids)
+    spec_token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None         # extra prefix-cache key: requests only share with same salt
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort"

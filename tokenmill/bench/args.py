@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 DEFAULT_JSON = "benchmarks/results/throughput.json"
 SCHEDULER_EXPERIMENTS = ("prefix", "multiturn", "interference", "priority")   # scheduler_bench.EXPERIMENTS
@@ -115,6 +116,24 @@ def _add_scheduler_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("spec", help="batch-1 decode with and without speculative decoding (draft model, n-gram)")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="target: known name, .gguf or HF dir")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model for draft:K variants")
+    p.add_argument("--variants", default="none,draft:2,draft:4,draft:6,ngram:4",
+                   help="comma list of none | draft:K | ngram:K")
+    p.add_argument("--num-prompts", type=int, default=20, help="code prompts (at most 20)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, help="target's load-time quantization (int8 | rtn4 | nf4)")
+    p.add_argument("--draft-quantization", default=None, help="draft's load-time quantization")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--output-json", type=Path, default=None)
+
     p = sub.add_parser("quality", help="held-out ShareGPT perplexity and greedy agreement per weight format")
     p.add_argument("--model", default="smollm2-135m-instruct", help="known model name, .gguf file or HF dir")
     p.add_argument("--variants", default=None,

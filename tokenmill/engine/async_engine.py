@@ -286,9 +286,14 @@ class AsyncLLMEngine:
         reqs = list(self.engine.requests.values())
         running = sum(1 for r in reqs if any(s.status is SequenceStatus.RUNNING for s in r.seqs))
         bm = self.engine.block_manager
+        spec = self.engine.spec.stats if self.engine.spec is not None else None
         return EngineSnapshot(num_running=running, num_waiting=len(reqs) - running, kv_cache_usage=bm.usage,
                               num_preemptions=self.engine.scheduler.num_preemptions,
-                              prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits)
+                              prefix_queries=bm.prefix_queries, prefix_hits=bm.prefix_hits,
+                              **({} if spec is None else dict(
+                                  spec_drafts=spec.num_drafts, spec_draft_tokens=spec.num_draft_tokens,
+                                  spec_accepted_tokens=spec.num_accepted_tokens,
+                                  spec_accepted_per_position=tuple(spec.accepted_per_position))))
 
     def _publish_snapshot(self) -> None:
         if self.metrics is None:

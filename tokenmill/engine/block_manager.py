@@ -151,6 +151,18 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past seq's computed tokens (the slots of rejected speculative
+        drafts). They hold no cached prefix, so they go to the front of the free list."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[bid] = None
+                self.free_blocks.move_to_end(bid, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks are released first so that they are evicted
         before the (more shareable) head of the prefix."""

@@ -6,6 +6,7 @@ server loop) drive it.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from tokenmill.hub import resolve_model
 from tokenmill.model.loader import checkpoint_quant_config, load_model_weights, load_tokenizer, read_model_config
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.sequence import Sequence
+from tokenmill.sequence import Sequence, TokenLogprobs
+from tokenmill.spec.build import build_speculative_decoder
 
 log = logging.getLogger("tokenmill")
 
@@ -74,6 +76,8 @@ class LLMEngine:
                                    config.resolve_max_idle_batched_tokens(self.device, self.max_model_len))
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids=self.eos_token_ids, seed=config.seed)
+        self.spec = build_speculative_decoder(config, self.sampler, model_cfg, self.device, self.dtype,
+                                              self.max_model_len, self.runner.kv_cache_bytes)
         self.requests: dict[str, Request] = {}
         self._seq_to_request: dict[int, Request] = {}
         log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache %d blocks x %d tokens = %d tokens "
@@ -132,7 +136,7 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish(seq)
             self._seq_to_request.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -140,6 +144,8 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -151,20 +157,49 @@ class LLMEngine:
         sampling: list[Sequence] = []
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens >= seq.num_tokens:      # its end (and any drafts) ran: it samples
                 sampling.append(seq)
+            if not seq.spec_token_ids:   # a verifying sequence is hashed once rolled back to its accepted tokens
+                self.block_manager.cache_full_blocks(seq)
         touched: dict[str, Request] = {}
-        if sampling:
-            result = self.sampler(logits, sampling)
-            for i, seq in enumerate(sampling):
-                req = self._seq_to_request[seq.seq_id]
-                seq.append_token(result.token_ids[i])
-                if result.logprobs[i] is not None:
-                    seq.logprobs.append(result.logprobs[i])
+        for seq, (tokens, logprobs) in zip(sampling, self._sample(logits, sampling)):
+            req = self._seq_to_request[seq.seq_id]
+            verified = bool(seq.spec_token_ids)
+            if verified:
+                # keep the K/V of the accepted drafts only; the last emitted token has none yet
+                seq.num_computed_tokens -= len(seq.spec_token_ids) - (len(tokens) - 1)
+                seq.spec_token_ids = []
+            for token, lp in zip(tokens, logprobs):
+                seq.append_token(token)
+                if lp is not None:
+                    seq.logprobs.append(lp)
                 self._check_stop(req, seq)
-                touched[req.request_id] = req
+                if seq.is_finished:
+                    break
+            if verified and not seq.is_finished:
+                self.block_manager.trim(seq)
+                self.block_manager.cache_full_blocks(seq)
+            touched[req.request_id] = req
         return [self._make_output(req) for req in touched.values()]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+        """Per sampling sequence, the tokens to emit and their logprobs: one sampled token, or,
+        for a sequence verifying k drafts (1 + k logit rows), the accepted drafts plus one."""
+        starts = list(itertools.accumulate((1 + len(s.spec_token_ids) for s in seqs), initial=0))
+        plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
+        verifying = [i for i, s in enumerate(seqs) if s.spec_token_ids]
+        results: list[tuple[list[int], list[TokenLogprobs | None]]] = [([], [])] * len(seqs)
+        if plain:
+            rows = logits if not verifying else logits[torch.tensor([starts[i] for i in plain], device=logits.device)]
+            out = self.sampler(rows, [seqs[i] for i in plain])
+            for j, i in enumerate(plain):
+                results[i] = ([out.token_ids[j]], [out.logprobs[j]])
+        if verifying:
+            idx = [r for i in verifying for r in range(starts[i], starts[i + 1])]
+            rows = logits if not plain else logits[torch.tensor(idx, device=logits.device)]
+            for i, res in zip(verifying, self.spec.verify(rows, [seqs[i] for i in verifying])):
+                results[i] = res
+        return results
 
     def _check_stop(self, req: Request, seq: Sequence) -> None:
         p = seq.params
@@ -184,7 +219,12 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             seq.finish_reason = reason
-            self.scheduler.finish(seq)
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.forget(seq)
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = []

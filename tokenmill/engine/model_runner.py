@@ -68,6 +68,7 @@ class ModelRunner:
             model.decode_stack = DecodeStack.build(model)
         self.num_blocks = self._num_kv_blocks(config)
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_cache_bytes = 2 * model_cfg.num_layers * math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(model_cfg.num_layers)]
 
@@ -88,8 +89,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Run one forward pass over all scheduled tokens. Returns logits [S, V] for the
-        sequences whose scheduled tokens reach their end (they sample), in scheduled order.
+        """Run one forward pass over all scheduled tokens. Returns logits for the sequences whose
+        scheduled tokens reach their end (they sample), in scheduled order: one row each, or
+        1 + k rows for a sequence verifying k speculative drafts.
         Sequences owed prompt logprobs also get those of the prompt rows this step ran, appended
         to `seq.prompt_logprobs` (only those rows, and the sampling rows, reach the lm_head)."""
         bs = self.block_size
@@ -101,13 +103,17 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
-        sample_rows: dict[int, int] = {}
+        sample_rows: dict[int, range] = {}
         prompt_spans: list[tuple[Sequence, int, int, int]] = []   # (seq, first row, its position, rows)
         for seq, n in order:
             start = seq.num_computed_tokens
             end = start + n
             base = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            if end <= seq.num_tokens:
+                input_ids.extend(seq.token_ids[start:end])
+            else:                                   # the last token(s), then the drafts to verify
+                input_ids.extend(seq.token_ids[start:])
+                input_ids.extend(seq.spec_token_ids[:end - seq.num_tokens])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -118,8 +124,8 @@ class ModelRunner:
             else:
                 bt = None if start == 0 else torch.tensor(table[: math.ceil(end / bs)], device=self.device)
                 prefills.append(PrefillSpan(row - n + 1, row + 1, end, bt))
-            if end == seq.num_tokens:
-                sample_rows[seq.seq_id] = row
+            if end >= seq.num_tokens:               # one row per draft too: it verifies them
+                sample_rows[seq.seq_id] = range(row - (end - seq.num_tokens), row + 1)
             if seq.needs_prompt_logprobs:
                 # the row at position p predicts prompt token p + 1; positions whose entry exists
                 # (recomputed after a preemption) are skipped; the last prompt row samples instead
@@ -146,7 +152,7 @@ class ModelRunner:
                             self.kv_caches, meta)
         if prompt_spans:
             self._prompt_logprobs(hidden, prompt_spans)
-        rows = [sample_rows[seq.seq_id] for seq, _ in scheduled if seq.seq_id in sample_rows]
+        rows = [r for seq, _ in scheduled if seq.seq_id in sample_rows for r in sample_rows[seq.seq_id]]
         return self.model.compute_logits(hidden[torch.tensor(rows, device=dev, dtype=torch.long)])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:

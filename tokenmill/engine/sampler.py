@@ -7,12 +7,14 @@ penalties, no logprobs) is a single argmax over the raw logits with no copy.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.sequence import Sequence, TokenLogprobs
+from tokenmill.sequence import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -79,6 +81,62 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last).clamp_(max=weights.shape[-1] - 1)[:, 0]
 
 
+def _truncated_candidates(x: torch.Tensor, ps: list[SamplingParams],
+                          temps: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Rows of x [R, V] with top-k and/or top-p, as (row indices, probs [r, K], token ids [r, K]):
+    unnormalised probabilities over each row's top-K candidates after temperature, top-k, top-p
+    and min-p. Top-k masks candidates past k; top-p is exact once the K candidates hold >= top_p
+    of the mass (always true with top-k), otherwise K grows for the rows still short of it (up
+    to V), and those rows come in a later tuple."""
+    dev = x.device
+    R, V = x.shape
+    ks = [p.top_k if 0 < p.top_k < V else V for p in ps]
+    has_k = torch.tensor([0 < p.top_k < V for p in ps], device=dev)
+    # top_p == 1 -> threshold 2: never drops anything
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in ps], dtype=torch.float32, device=dev)
+    k_t = torch.tensor(ks, device=dev)
+    K = min(V, max(256, max((k for k in ks if k < V), default=0)))
+    pending = torch.arange(R, device=dev)
+    while pending.numel():
+        xp = x if pending.numel() == R else x[pending]
+        vals, idx = xp.topk(K, dim=-1)                     # sorted, descending
+        t = temps[pending][:, None]
+        vals.div_(t)
+        vals.masked_fill_(torch.arange(K, device=dev)[None, :] >= k_t[pending][:, None], float("-inf"))
+        hk = has_k[pending]
+        # normaliser of the (top-k masked) distribution: the candidates hold all of it under
+        # top-k; otherwise it needs the whole row
+        lse = vals.logsumexp(dim=-1)
+        if not bool(hk.all()):
+            lse = torch.where(hk, lse, (xp / t).logsumexp(dim=-1))
+        probs = (vals - lse[:, None]).exp_()
+        cum = probs.cumsum(dim=-1)
+        tp = top_p[pending][:, None]
+        drop = (cum - probs) >= tp                         # mass strictly ahead >= top_p
+        drop[:, 0] = False                                 # always keep the top token
+        probs.masked_fill_(drop, 0.0)
+        done = hk | (cum[:, -1] >= tp[:, 0]) if K < V else torch.ones_like(hk)
+        _apply_min_p(probs, [ps[j].min_p for j in pending.tolist()], probs[:, :1])
+        yield pending[done], probs[done], idx[done]
+        pending = pending[~done]
+        K = V if K * 8 > V // 4 else K * 8   # a huge topk costs as much as a full sort
+
+
+class SamplingContext(Protocol):
+    """What sampling reads of a sequence. A `Sequence` is one; speculative decoding passes views
+    of a sequence as it would be with some drafts accepted."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    generator: torch.Generator | None
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, eos_token_ids: list[int] | None = None):
         self.vocab_size = vocab_size
@@ -88,7 +146,7 @@ class Sampler:
         # CPU generator serves any device
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _min_tokens_blocked(self, seq: Sequence) -> list[int]:
+    def _min_tokens_blocked(self, seq: SamplingContext) -> list[int]:
         p = seq.params
         if not p.min_tokens or seq.num_output_tokens >= p.min_tokens:
             return []
@@ -97,7 +155,7 @@ class Sampler:
             ids += self.eos_token_ids
         return ids
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingContext]) -> SamplerOutput:
         """logits: [len(seqs), V'] (any float dtype; math in float32), row i belongs to seqs[i].
         Columns past vocab_size (padded lm_head) are never sampled."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs)
@@ -138,7 +196,7 @@ class Sampler:
         token_ids = ids.tolist()
         return SamplerOutput(token_ids, self._logprobs(logits, ids, params))
 
-    def _penalize(self, x: torch.Tensor, seqs: list[Sequence], blocked: list[list[int]]) -> None:
+    def _penalize(self, x: torch.Tensor, seqs: list[SamplingContext], blocked: list[list[int]]) -> None:
         dev = x.device
         V = x.shape[1]
         ps = [s.params for s in seqs]
@@ -155,7 +213,8 @@ class Sampler:
         if rows:
             x[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
 
-    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    def uniforms(self, seqs: list[SamplingContext], device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One U[0,1) draw per row: from the row's own generator when seeded (so the draw does not
         depend on batch neighbours), else from the sampler's global generator."""
         u = [0.0] * len(seqs)
@@ -167,9 +226,9 @@ class Sampler:
         for j, s in enumerate(seqs):
             if s.generator is not None:
                 u[j] = torch.rand((), dtype=torch.float64, generator=s.generator).item()
-        return torch.tensor(u, dtype=torch.float32, device=device)
+        return torch.tensor(u, dtype=dtype, device=device)
 
-    def _sample(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, x: torch.Tensor, seqs: list[SamplingContext]) -> torch.Tensor:
         """Random rows: x [R, V] float32 (modified in place). Returns sampled ids [R].
 
         Inverse-CDF sampling with one uniform per row (an O(V) cumsum; drawing V exponentials per
@@ -178,7 +237,7 @@ class Sampler:
         dev = x.device
         R, V = x.shape
         ps = [s.params for s in seqs]
-        u = self._uniforms(seqs, dev)
+        u = self.uniforms(seqs, dev)
         temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
         ids = torch.empty(R, dtype=torch.long, device=dev)
         trunc = [j for j, p in enumerate(ps) if 0 < p.top_k < V or p.top_p < 1.0]
@@ -198,44 +257,43 @@ class Sampler:
     @staticmethod
     def _sample_truncated(x: torch.Tensor, ps: list[SamplingParams], temps: torch.Tensor,
                           u: torch.Tensor) -> torch.Tensor:
-        """Rows with top-k and/or top-p. Take the top-K logits; top-k masks candidates past k;
-        top-p is exact once the K candidates hold >= top_p of the mass (always true with top-k),
-        otherwise K grows for the rows still short of it (up to V)."""
-        dev = x.device
-        R, V = x.shape
-        ks = [p.top_k if 0 < p.top_k < V else V for p in ps]
-        has_k = torch.tensor([0 < p.top_k < V for p in ps], device=dev)
-        # top_p == 1 -> threshold 2: never drops anything
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in ps], dtype=torch.float32, device=dev)
-        k_t = torch.tensor(ks, device=dev)
-        K = min(V, max(256, max((k for k in ks if k < V), default=0)))
-        ids = torch.empty(R, dtype=torch.long, device=dev)
-        pending = torch.arange(R, device=dev)
-        while pending.numel():
-            xp = x if pending.numel() == R else x[pending]
-            vals, idx = xp.topk(K, dim=-1)                     # sorted, descending
-            t = temps[pending][:, None]
-            vals.div_(t)
-            vals.masked_fill_(torch.arange(K, device=dev)[None, :] >= k_t[pending][:, None], float("-inf"))
-            hk = has_k[pending]
-            # normaliser of the (top-k masked) distribution: the candidates hold all of it under
-            # top-k; otherwise it needs the whole row
-            lse = vals.logsumexp(dim=-1)
-            if not bool(hk.all()):
-                lse = torch.where(hk, lse, (xp / t).logsumexp(dim=-1))
-            probs = (vals - lse[:, None]).exp_()
-            cum = probs.cumsum(dim=-1)
-            tp = top_p[pending][:, None]
-            drop = (cum - probs) >= tp                         # mass strictly ahead >= top_p
-            drop[:, 0] = False                                 # always keep the top token
-            probs.masked_fill_(drop, 0.0)
-            done = hk | (cum[:, -1] >= tp[:, 0]) if K < V else torch.ones_like(hk)
-            _apply_min_p(probs, [ps[j].min_p for j in pending.tolist()], probs[:, :1])
-            pick = idx.gather(1, _inverse_cdf(probs, u[pending])[:, None])[:, 0]
-            ids[pending[done]] = pick[done]
-            pending = pending[~done]
-            K = V if K * 8 > V // 4 else K * 8   # a huge topk costs as much as a full sort
+        """Rows with top-k and/or top-p: inverse-CDF draws among their candidates."""
+        ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        for rows, probs, idx in _truncated_candidates(x, ps, temps):
+            ids[rows] = idx.gather(1, _inverse_cdf(probs, u[rows])[:, None])[:, 0]
         return ids
+
+    def probs(self, logits: torch.Tensor, seqs: list[SamplingContext]) -> torch.Tensor:
+        """The distribution each row's next token is drawn from, [R, V] float32 rows summing to
+        1: penalties, the min_tokens mask, temperature, top-k, top-p and min-p applied exactly as
+        in `__call__`; one-hot at the argmax for greedy rows. Speculative decoding verifies
+        drafts against these."""
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs)
+        x = logits[:, : self.vocab_size].float().clone().contiguous()
+        dev = x.device
+        self._penalize(x, seqs, [self._min_tokens_blocked(s) for s in seqs])
+        out = torch.zeros_like(x)
+        ps = [s.params for s in seqs]
+        greedy = [i for i, p in enumerate(ps) if p.greedy]
+        if greedy:
+            g = torch.tensor(greedy, device=dev)
+            out[g, x[g].argmax(dim=-1)] = 1.0
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in ps], dtype=torch.float32, device=dev)
+        V = x.shape[1]
+        trunc = [i for i, p in enumerate(ps) if not p.greedy and (0 < p.top_k < V or p.top_p < 1.0)]
+        full = [i for i, p in enumerate(ps) if not p.greedy and not (0 < p.top_k < V or p.top_p < 1.0)]
+        if trunc:
+            ti = torch.tensor(trunc, device=dev)
+            dense = torch.zeros(len(trunc), V, dtype=x.dtype, device=dev)
+            for rows, pr, idx in _truncated_candidates(x[ti], [ps[i] for i in trunc], temps[ti]):
+                dense[rows] = dense[rows].scatter_(1, idx, pr)
+            out[ti] = dense
+        if full:
+            fi = torch.tensor(full, device=dev)
+            pr = (x[fi] / temps[fi][:, None]).softmax(dim=-1)
+            _apply_min_p(pr, [ps[i].min_p for i in full], pr.amax(dim=-1, keepdim=True))
+            out[fi] = pr
+        return out / out.sum(dim=-1, keepdim=True)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, ids: torch.Tensor,

@@ -2,8 +2,8 @@
 
 Every step fills a token budget: running sequences first (one decode token each, or the next
 chunk of an unfinished prefill), then waiting sequences in policy order. A sequence is
-scheduled for `num_tokens - num_computed_tokens` tokens, capped by the budget when chunked
-prefill is on. The budget is `idle_budget` (larger) in a step where no sequence has produced
+scheduled for `num_tokens - num_computed_tokens` tokens plus its speculative drafts, capped by
+the budget when chunked prefill is on (drafts are cut first). The budget is `idle_budget` (larger) in a step where no sequence has produced
 output yet: nobody streams, so no inter-token latency suffers from big prefill chunks,
 which run faster per token. When the KV cache runs out, the lowest-priority, latest-arrived running
 sequence is preempted: its blocks are freed and it is requeued to be recomputed (the prefix
@@ -62,6 +62,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids = []
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -99,10 +100,12 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running or budget == 0:
                 continue
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget and not self.chunked:
+            owed = seq.num_tokens - seq.num_computed_tokens
+            n = owed + len(seq.spec_token_ids)       # speculative drafts are verified with the last token
+            if owed > budget and not self.chunked:
                 continue
             n = min(n, budget)
+            del seq.spec_token_ids[max(0, n - owed):]   # drafts past the budget wait for another step
             while not self.bm.grow(seq, n):
                 memory_short = True
                 victim = max((s for s in self.running if s.seq_id not in scheduled), key=self._key)

@@ -1,0 +1,36 @@
+"""`tokenmill bench spec` end to end on tiny models (the real run uses the Qwen2.5-Coder pair)."""
+import json
+
+import pytest
+
+from tests.tiny_models import save_tiny_model_dir
+from tokenmill.bench.spec_bench import parse_spec_variants
+from tokenmill.cli import build_parser
+
+
+def test_parse_spec_variants():
+    assert parse_spec_variants("none,draft:4,ngram:2") == [("none", None, 0), ("draft-k4", "draft_model", 4),
+                                                            ("ngram-k2", "ngram", 2)]
+    for bad in ("draft", "draft:0", "eagle:3", "ngram:x"):
+        with pytest.raises(ValueError, match="bad variant"):
+            parse_spec_variants(bad)
+
+
+def test_bench_spec_runs_every_variant_and_writes_json(tmp_path, capsys):
+    model = save_tiny_model_dir(tmp_path / "m")
+    out = tmp_path / "spec.json"
+    args = build_parser().parse_args(["bench", "spec", "--model", model, "--draft", model, "--variants",
+                                      "none,draft:2,ngram:3", "--num-prompts", "3", "--max-tokens", "12",
+                                      "--repeats", "2", "--dtype", "float32", "--kv-cache-memory", str(1 << 22),
+                                      "--max-model-len", "256", "--output-json", str(out)])
+    args.func(args)
+    doc = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"none", "draft-k2", "ngram-k3"}
+    assert rows["none"]["ratio_vs_none"] == pytest.approx(1.0)
+    # the draft is the target itself: every draft is accepted, up to 3 tokens per round (fewer
+    # only where max_tokens leaves room for fewer drafts)
+    assert rows["draft-k2"]["acceptance_rate"] == pytest.approx(1.0)
+    assert 2.5 < rows["draft-k2"]["mean_acceptance_length"] <= 3.0
+    assert all(len(r["per_repeat"]["tok_s"]) == 2 and r["tok_s"] > 0 for r in rows.values())
+    assert "decode tok/s" in capsys.readouterr().out
