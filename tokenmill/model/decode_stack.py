@@ -17,6 +17,8 @@ from torch import nn
 
 from tokenmill.cpu_extension import load_cpu_extension
 from tokenmill.model.attention import AttentionMetadata
+from tokenmill.model.cpu_kernels import dense_small_m_kernels
+from tokenmill.model.layers import Linear
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cpp"
 
@@ -27,8 +29,8 @@ def decode_stack_kernels() -> ModuleType | None:
 
 
 def _stack_linear(module: nn.Module, ext: ModuleType, dtype: torch.dtype):
-    if type(module) is nn.Linear:
-        return ext.Linear.dense(module.weight, module.bias)
+    if type(module) in (nn.Linear, Linear):
+        return ext.Linear.dense(module.weight, module.bias, dense_small_m_kernels() is not None)
     describe = getattr(module, "stack_linear", None)
     return None if describe is None else describe(ext, dtype)
 

@@ -1,4 +1,4 @@
-"""Small building blocks shared by the model files: RMSNorm, SwiGLU (rotary embedding: rope.py).
+"""Small building blocks shared by the model files: Linear, RMSNorm, SwiGLU (rotary embedding: rope.py).
 
 On CPU without autograd (serving, calibration) each runs as one fused C++ op
 (csrc/fused_layer_ops.cpp) instead of a chain of small torch ops; the torch code below is the
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.cpu_kernels import fused_layer_kernels
+from tokenmill.model.cpu_kernels import dense_small_m_kernels, fused_layer_kernels
 
 
 def fused_cpu_ops(x: torch.Tensor) -> ModuleType | None:
@@ -20,6 +20,20 @@ def fused_cpu_ops(x: torch.Tensor) -> ModuleType | None:
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return fused_layer_kernels()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose fp32 CPU forward over a few rows (decode batches, speculative verification)
+    reads the weight once for all rows (csrc/dense_small_m.h): MKL's sgemm at 2-8 rows runs at a
+    third of memory bandwidth (benchmarks/README.md). Quantized and LoRA layers replace it as
+    they would replace nn.Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_cpu_ops(x) and dense_small_m_kernels()
+        if (ops is not None and x.dim() == 2 and 0 < x.shape[0] <= ops.max_rows and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32 and self.weight.is_contiguous()):
+            return ops.small_m_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "dense_small_m.h"
 #include "fused_layer_ops.h"
 #include "paged_decode_attention.h"
 #include "../../quant/csrc/int_dot_linear.h"
@@ -28,6 +29,7 @@ struct Linear {
   torch::Tensor weight, codes, scales, offsets, row_scale, code_sums;
   std::optional<torch::Tensor> bias, perm;
   int64_t block = 0;
+  bool small_m = false;   // dense fp32: tokenmill::dense::small_m_linear up to its row limit
   int64_t max_rows = std::numeric_limits<int64_t>::max();   // rows this kernel is chosen for
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -39,14 +41,19 @@ struct Linear {
         return tokenmill::int_dot::int8_dot_linear(x, codes, row_scale, code_sums, bias, block);
 #endif
       default:
+        // the same choice as tokenmill/model/layers.py's Linear, so the stack keeps the eager bits
+        if (small_m && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+            x.size(0) >= 1 && x.size(0) <= tokenmill::dense::kMaxRows && weight.is_contiguous())
+          return tokenmill::dense::small_m_linear(x, weight, bias);
         return bias.has_value() ? at::linear(x, weight, *bias) : at::linear(x, weight);
     }
   }
 
-  static Linear dense(torch::Tensor weight, std::optional<torch::Tensor> bias) {
+  static Linear dense(torch::Tensor weight, std::optional<torch::Tensor> bias, bool small_m) {
     Linear l;
     l.weight = weight;
     l.bias = bias;
+    l.small_m = small_m && TM_DENSE_VECTORIZED;
     return l;
   }
 #ifdef TM_HAVE_VNNI
@@ -128,7 +135,7 @@ class DecoderStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::class_<Linear>(m, "Linear")
-      .def_static("dense", &Linear::dense, py::arg("weight"), py::arg("bias"))
+      .def_static("dense", &Linear::dense, py::arg("weight"), py::arg("bias"), py::arg("small_m") = false)
 #ifdef TM_HAVE_VNNI
       .def_static("int4", &Linear::int4, py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bias"),
                   py::arg("perm"), py::arg("block"), py::arg("max_rows"))
