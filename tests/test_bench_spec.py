@@ -9,9 +9,13 @@ from tokenmill.cli import build_parser
 
 
 def test_parse_spec_variants():
-    assert parse_spec_variants("none,draft:4,ngram:2") == [("none", None, 0), ("draft-k4", "draft_model", 4),
-                                                            ("ngram-k2", "ngram", 2)]
-    for bad in ("draft", "draft:0", "eagle:3", "ngram:x"):
+    got = parse_spec_variants("none,draft:4,ngram:2,draft:auto:6")
+    assert [(v.label, v.method, v.k, v.adaptive) for v in got] == [
+        ("none", None, 0, False), ("draft-k4", "draft_model", 4, False), ("ngram-k2", "ngram", 2, False),
+        ("draft-auto6", "draft_model", 6, True)]
+    got = parse_spec_variants("llama.cpp,llama.cpp:4")
+    assert [(v.label, v.method, v.k) for v in got] == [("llama.cpp", "llama.cpp", 0), ("llama.cpp-draft4", "llama.cpp", 4)]
+    for bad in ("draft", "draft:0", "eagle:3", "ngram:x", "draft:auto", "draft:fast:3", "llama.cpp:0"):
         with pytest.raises(ValueError, match="bad variant"):
             parse_spec_variants(bad)
 

@@ -32,6 +32,39 @@ def _gen(llm, prompts, params):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def _assert_same_distribution(a, b):
+    """Two-sample χ² per output position 1..3 (the verified ones); categories with < 10 samples
+    are pooled."""
+    for pos in (1, 2, 3):
+        cats = sorted({t[pos] for t in a + b})
+        table = [[sum(t[pos] == c for t in a) for c in cats], [sum(t[pos] == c for t in b) for c in cats]]
+        keep = [j for j in range(len(cats)) if table[0][j] + table[1][j] >= 10]
+        rare = [sum(row[j] for j in range(len(cats)) if j not in keep) for row in table]
+        table = [[row[j] for j in keep] + ([r] if sum(rare) else []) for row, r in zip(table, rare)]
+        assert chi2_contingency(table).pvalue > 0.001, (pos, table)
+
+
+def _run_with_aborts(engine, rng, num_requests, make_request):
+    """Add requests one by one with 0-3 steps between them, abort a quarter at random, drain."""
+    live: list[str] = []
+    for i in range(num_requests):
+        prompt, params = make_request(i)
+        engine.add_request(str(i), prompt, params)
+        live.append(str(i))
+        for _ in range(rng.randint(0, 3)):
+            _step(engine, live)
+        if rng.random() < 0.25 and live:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+    while engine.has_unfinished_requests():
+        _step(engine, live)
+    assert not live
+
+
+def _step(engine, live: list[str]) -> None:
+    finished = {o.request_id for o in engine.step() if o.finished}
+    live[:] = [r for r in live if r not in finished]
+
+
 def test_greedy_output_identical_with_ngram_speculation(tiny_dir):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 33, 7, 25, 40, 2)]
     base = LLM(model=tiny_dir, dtype="float32", max_model_len=256, kv_cache_memory=KV)
@@ -97,14 +130,7 @@ def test_sampled_output_distribution_unchanged_by_speculation(tiny_dir):
     prompt = PROMPTS[1] + loop
     a, b = samples(base, 0), samples(spec, 10_000)
     assert spec.engine.spec.stats.num_accepted_tokens > 100   # the accept path really ran
-    for pos in (1, 2, 3):
-        cats = sorted({t[pos] for t in a + b})
-        table = [[sum(t[pos] == c for t in a) for c in cats], [sum(t[pos] == c for t in b) for c in cats]]
-        keep = [j for j in range(len(cats)) if table[0][j] + table[1][j] >= 10]
-        rare = [sum(row[j] for j in range(len(cats)) if j not in keep) for row in table]
-        table = [[row[j] for j in keep] + [r] for row, r in zip(table, rare)] if sum(rare) else \
-                [[row[j] for j in keep] for row in table]
-        assert chi2_contingency(table).pvalue > 0.001, (pos, table)
+    _assert_same_distribution(a, b)
 
 
 def test_random_workload_with_speculation_returns_every_block(tiny_dir):
@@ -112,24 +138,13 @@ def test_random_workload_with_speculation_returns_every_block(tiny_dir):
               kv_cache_memory=30 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=48, speculative_config=NGRAM)
     engine = llm.engine
     rng = random.Random(1)
-    live: list[str] = []
-    for i in range(150):
+
+    def request(i):
         base = rng.choice(PROMPTS)
         prompt = base[: rng.randint(2, len(base))] + [rng.randrange(3, 300) for _ in range(rng.randint(0, 10))]
-        engine.add_request(str(i), prompt, SamplingParams(temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 40),
-                                                          ignore_eos=True, seed=i, top_k=rng.choice([-1, 5])))
-        live.append(str(i))
-        for _ in range(rng.randint(0, 3)):
-            for out in engine.step():
-                if out.finished:
-                    live.remove(out.request_id)
-        if rng.random() < 0.25 and live:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                live.remove(out.request_id)
-    assert not live
+        return prompt, SamplingParams(temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 40),
+                                      ignore_eos=True, seed=i, top_k=rng.choice([-1, 5]))
+    _run_with_aborts(engine, rng, 150, request)
     stats = engine.spec.stats
     assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     assert engine.scheduler.num_preemptions > 0
@@ -221,13 +236,7 @@ def test_draft_model_sampled_distribution_unchanged(tiny_dir, near_dir):
     a, b = samples(base, 0), samples(spec, 10_000)
     stats = spec.engine.spec.stats
     assert 50 < stats.num_accepted_tokens < stats.num_draft_tokens
-    for pos in (1, 2, 3):
-        cats = sorted({t[pos] for t in a + b})
-        table = [[sum(t[pos] == c for t in a) for c in cats], [sum(t[pos] == c for t in b) for c in cats]]
-        keep = [j for j in range(len(cats)) if table[0][j] + table[1][j] >= 10]
-        rare = [sum(row[j] for j in range(len(cats)) if j not in keep) for row in table]
-        table = [[row[j] for j in keep] + ([r] if sum(rare) else []) for row, r in zip(table, rare)]
-        assert chi2_contingency(table).pvalue > 0.001, (pos, table)
+    _assert_same_distribution(a, b)
 
 
 def test_draft_model_under_preemption_and_aborts_frees_both_pools(tiny_dir, other_dir):
@@ -236,23 +245,10 @@ def test_draft_model_under_preemption_and_aborts_frees_both_pools(tiny_dir, othe
               speculative_config=_draft(tiny_dir, k=3, draft_kv_cache_memory=20 * 4 * 2 * 2 * 2 * 16 * 4))
     engine = llm.engine
     rng = random.Random(2)
-    live: list[str] = []
-    for i in range(80):
-        engine.add_request(str(i), rng.choice(PROMPTS)[: rng.randint(2, 20)],
-                           SamplingParams(temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 40),
-                                          ignore_eos=True, seed=i))
-        live.append(str(i))
-        for _ in range(rng.randint(0, 3)):
-            for out in engine.step():
-                if out.finished:
-                    live.remove(out.request_id)
-        if rng.random() < 0.25 and live:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                live.remove(out.request_id)
-    assert not live and engine.scheduler.num_preemptions > 0
+    _run_with_aborts(engine, rng, 80, lambda i: (
+        rng.choice(PROMPTS)[: rng.randint(2, 20)],
+        SamplingParams(temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(1, 40), ignore_eos=True, seed=i)))
+    assert engine.scheduler.num_preemptions > 0
     assert engine.spec.stats.num_accepted_tokens > 0
     for bm in (engine.block_manager, engine.spec.proposer.block_manager):
         assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
@@ -266,3 +262,19 @@ def test_draft_model_refuses_a_smaller_vocabulary(tiny_dir, tmp_path):
     (tmp_path / "small" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(model=tiny_dir, dtype="float32", max_model_len=64, kv_cache_memory=KV, speculative_config=_draft(small))
+
+
+def test_adaptive_k_stays_exact_and_sizes_drafts_by_cost_and_acceptance(tiny_dir, other_dir):
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(PROMPTS)
+    base = LLM(model=tiny_dir, dtype="float32", max_model_len=256, kv_cache_memory=KV)
+    want = _ids(_gen(base, PROMPTS, params))
+    mean_draft = {}
+    for name, cfg in (("ngram", {**NGRAM, "num_speculative_tokens": 6}), ("other", _draft(other_dir, k=6))):
+        llm = LLM(model=tiny_dir, dtype="float32", max_model_len=256, kv_cache_memory=KV,
+                  speculative_config={**cfg, "adaptive_k": True})
+        assert _ids(_gen(llm, PROMPTS, params)) == want
+        stats = llm.engine.spec.stats
+        mean_draft[name] = stats.num_draft_tokens / stats.num_drafts
+    # n-gram drafts are nearly free and often right here: long drafts; the unrelated draft model
+    # costs a full target step per draft and is always rejected: one-token drafts
+    assert mean_draft["other"] == 1.0 and mean_draft["ngram"] > 2.0, mean_draft

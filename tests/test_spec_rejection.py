@@ -197,3 +197,26 @@ def test_sampler_probs_greedy_and_penalties_and_min_tokens():
     assert probs[2].tolist() == [0, 0, 0, 1]      # EOS (1) masked before min_tokens
     # the same processing as the sampler's own draw
     assert sampler(logits[1:2], [_Ctx(SamplingParams(temperature=0, repetition_penalty=2.0), output=[1])]).token_ids == [3]
+
+
+# ---- adaptive draft length -------------------------------------------------------------------
+def test_best_k_follows_acceptance_and_cost():
+    from tokenmill.spec.adaptive import best_k
+    assert best_k(0.95, 0.1, 8) == 8           # a draft that is nearly always right: draft long
+    assert best_k(0.05, 0.1, 8) == 1           # nearly always wrong: one draft only
+    assert best_k(0.8, 0.3, 8) < best_k(0.8, 0.05, 8)    # costlier drafts: shorter
+    ks = [best_k(a / 10, 0.2, 8) for a in range(10)]
+    assert ks == sorted(ks)                    # never shorter for a better acceptance
+
+
+def test_tracker_learns_each_requests_acceptance():
+    from tokenmill.spec.adaptive import AcceptanceTracker
+    t = AcceptanceTracker(max_k=6, cost=0.2)
+    prior = t.choose(1)
+    for _ in range(10):
+        t.record(1, 6, 6)        # request 1: every draft accepted
+        t.record(2, 6, 0)        # request 2: the first draft always rejected
+    assert t.choose(1) == 6 and t.choose(2) == 1 and 1 < prior < 6
+    assert t.alpha(1) > 0.9 and t.alpha(2) < 0.25
+    t.forget(1)
+    assert t.choose(1) == prior

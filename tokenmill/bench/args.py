@@ -119,14 +119,18 @@ def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("spec", help="batch-1 decode with and without speculative decoding (draft model, n-gram)")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="target: known name, .gguf or HF dir")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft model for draft:K variants")
-    p.add_argument("--variants", default="none,draft:2,draft:4,draft:6,ngram:4",
-                   help="comma list of none | draft:K | ngram:K")
-    p.add_argument("--num-prompts", type=int, default=20, help="code prompts (at most 20)")
+    p.add_argument("--variants", default="none,draft:2,draft:4,draft:6,draft:auto:6,ngram:4",
+                   help="comma list of none | draft:K | ngram:K, or draft:auto:K / ngram:auto:K (adaptive k <= K)")
+    p.add_argument("--num-prompts", type=int, default=20, help="prompts (at most 20)")
+    p.add_argument("--prompt-set", choices=("code", "mixed"), default="code",
+                   help="code tasks, or code and prose alternating (where adaptive k matters)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, help="target's load-time quantization (int8 | rtn4 | nf4)")
     p.add_argument("--draft-quantization", default=None, help="draft's load-time quantization")
+    p.add_argument("--llama-server", default="llama-cpp-server", help="llama-server binary for llama.cpp variants")
+    p.add_argument("--port", type=int, default=8191, help="first loopback port for llama-server anchors")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--max-model-len", type=int, default=2048)

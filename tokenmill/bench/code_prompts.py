@@ -24,3 +24,18 @@ CODE_PROMPTS = [
     "Write a Python function `primes_up_to(n: int) -> list[int]` using the sieve of Eratosthenes.",
     "Write a Python function `group_by(items: list[dict], key: str) -> dict[str, list[dict]]`.",
 ]
+
+# Prose for the mixed set: a draft model tracks its target less closely here, so a fixed draft
+# length that suits code wastes draft steps (what adaptive k is for).
+PROSE_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain to a ten-year-old why the sky is blue.",
+    "Describe the causes of the French Revolution in a few paragraphs.",
+    "Write a persuasive letter asking a city council to build more bike lanes.",
+    "What are the pros and cons of working from home? Answer in prose, not a list.",
+    "Write a poem about the first snow of winter in a small mountain village.",
+    "Summarize the plot of a heist movie you invent, with three twists.",
+    "Give advice to someone starting their first job as a nurse.",
+    "Describe a meal at a street market in Bangkok from the point of view of a tourist.",
+    "Write a dialogue between a cat and a robot vacuum cleaner.",
+]

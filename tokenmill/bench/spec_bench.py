@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.code_prompts import CODE_PROMPTS
+from tokenmill.bench.code_prompts import CODE_PROMPTS, PROSE_PROMPTS
 from tokenmill.bench.machine import machine_header, machine_info
 from tokenmill.bench.report import write_json
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.build import VERIFY_ROW_COST
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.decoder import SpeculativeDecoder
 from tokenmill.spec.proposers import NgramProposer
@@ -33,34 +34,86 @@ def _log(msg: str) -> None:
     print(f"[spec {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def parse_spec_variants(text: str) -> list[tuple[str, str | None, int]]:
-    """"none,draft:4,ngram:4" -> [(label, method or None, k)]."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpecVariant:
+    label: str
+    method: str | None         # None = no speculation; "llama.cpp" = the llama-server anchor
+    k: int = 0                 # drafts per round (the most, when adaptive); llama.cpp: --draft-max, 0 = no draft
+    adaptive: bool = False
+
+
+def parse_spec_variants(text: str) -> list[SpecVariant]:
+    """"none,draft:4,draft:auto:6,ngram:4,llama.cpp,llama.cpp:4" -> variants; auto = adaptive k up
+    to K; llama.cpp:K = llama-server with the draft GGUF (-md, --draft-max K)."""
     out = []
     for item in text.split(","):
-        name, _, k = item.strip().partition(":")
-        if name == "none":
-            out.append(("none", None, 0))
-        elif name in ("draft", "ngram") and k.isdigit() and int(k) >= 1:
-            out.append((f"{name}-k{k}", "draft_model" if name == "draft" else "ngram", int(k)))
+        parts = item.strip().split(":")
+        adaptive = len(parts) == 3 and parts[1] == "auto"
+        k = parts[-1]
+        if parts == ["none"]:
+            out.append(SpecVariant("none", None))
+        elif parts == ["llama.cpp"]:
+            out.append(SpecVariant("llama.cpp", "llama.cpp"))
+        elif parts[0] == "llama.cpp" and len(parts) == 2 and k.isdigit() and int(k) >= 1:
+            out.append(SpecVariant(f"llama.cpp-draft{k}", "llama.cpp", int(k)))
+        elif parts[0] in ("draft", "ngram") and (len(parts) == 2 or adaptive) and k.isdigit() and int(k) >= 1:
+            label = f"{parts[0]}-{'auto' if adaptive else 'k'}{k}"
+            out.append(SpecVariant(label, "draft_model" if parts[0] == "draft" else "ngram", int(k), adaptive))
         else:
-            raise ValueError(f"bad variant {item!r}: none | draft:K | ngram:K")
+            raise ValueError(f"bad variant {item!r}: none | draft:K | draft:auto:K | ngram:K | ngram:auto:K | "
+                             f"llama.cpp | llama.cpp:K")
     return out
 
 
-def _decoders(engine: LLMEngine, variants, args) -> dict[str, SpeculativeDecoder | None]:
-    draft = engine.spec.proposer if engine.spec is not None else None
+def _decoders(engine: LLMEngine, variants: list[SpecVariant], args) -> dict[str, SpeculativeDecoder | None]:
     out: dict[str, SpeculativeDecoder | None] = {}
-    for label, method, k in variants:
-        if method is None:
-            out[label] = None
-        elif method == "ngram":
-            cfg = SpeculativeConfig("ngram", k, prompt_lookup_min=args.prompt_lookup_min,
-                                    prompt_lookup_max=args.prompt_lookup_max)
-            out[label] = SpeculativeDecoder(cfg, NgramProposer(cfg), engine.sampler, engine.max_model_len)
-        else:
-            cfg = dataclasses.replace(engine.spec.config, num_speculative_tokens=k)
-            out[label] = SpeculativeDecoder(cfg, draft, engine.sampler, engine.max_model_len)
+    for v in variants:
+        if v.method in (None, "llama.cpp"):
+            out[v.label] = None
+        elif v.method == "ngram":
+            cfg = SpeculativeConfig("ngram", v.k, prompt_lookup_min=args.prompt_lookup_min,
+                                    prompt_lookup_max=args.prompt_lookup_max, adaptive_k=v.adaptive)
+            out[v.label] = SpeculativeDecoder(cfg, NgramProposer(cfg), engine.sampler, engine.max_model_len,
+                                              draft_cost=VERIFY_ROW_COST)
+        else:           # every draft variant shares the engine's draft model and its KV pool
+            cfg = dataclasses.replace(engine.spec.config, num_speculative_tokens=v.k, adaptive_k=v.adaptive)
+            out[v.label] = SpeculativeDecoder(cfg, engine.spec.proposer, engine.sampler, engine.max_model_len,
+                                              draft_cost=engine.spec.draft_cost)
     return out
+
+
+class LlamaServerSpec:
+    """llama-server on the target's GGUF (and the draft's for -md), one slot, driven with the same
+    token ids, greedy, EOS honoured, no prompt cache; timed by wall clock like the engine."""
+
+    def __init__(self, args, k: int, port: int) -> None:
+        from tokenmill.bench.anchors import ManagedServer, llama_server_spec
+        from tokenmill.hub import resolve_model
+        spec = llama_server_spec(args.llama_server, resolve_model(args.model), port, 1, args.max_model_len,
+                                 args.threads)
+        if k:
+            spec.cmd += ["-md", str(resolve_model(args.draft)), "--draft-max", str(k), "-cd", str(args.max_model_len)]
+        self.server = ManagedServer(spec).__enter__()
+        import httpx
+        self.client = httpx.Client(base_url=spec.base_url, timeout=None, trust_env=False)
+        self.drafted = self.accepted = 0
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        tokens, t0 = 0, time.perf_counter()
+        for prompt in prompts:
+            r = self.client.post("/completion", json={"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0,
+                                                      "top_k": 1, "cache_prompt": False, "stream": False})
+            r.raise_for_status()
+            body = r.json()
+            tokens += body.get("tokens_predicted", 0)
+            timings = body.get("timings", {})
+            self.drafted += timings.get("draft_n", 0)
+            self.accepted += timings.get("draft_n_accepted", 0)
+        return tokens, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
 
 
 def _run_prompts(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
@@ -80,7 +133,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     print(machine_header(), flush=True)
     variants = parse_spec_variants(args.variants)
     spec_cfg = None
-    if any(m == "draft_model" for _, m, _ in variants):
+    if any(v.method == "draft_model" for v in variants):
         spec_cfg = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 1,
                     **({"quantization": args.draft_quantization} if args.draft_quantization else {})}
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -89,19 +142,35 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
                                     speculative_config=spec_cfg))
     decoders = _decoders(engine, variants, args)
     tok = engine.tokenizer
+    texts = CODE_PROMPTS[:args.num_prompts]
+    if args.prompt_set == "mixed":      # alternate code and prose
+        half = (args.num_prompts + 1) // 2
+        texts = [t for pair in zip(CODE_PROMPTS[:half], PROSE_PROMPTS[:half]) for t in pair][:args.num_prompts]
     if tok.chat_template:
         prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
-                                                add_generation_prompt=True, return_dict=False))
-                   for p in CODE_PROMPTS[:args.num_prompts]]
+                                                add_generation_prompt=True, return_dict=False)) for p in texts]
     else:                                                  # a base model: the task text as it is
-        prompts = [engine.tokenize(p) for p in CODE_PROMPTS[:args.num_prompts]]
-    labels = [v[0] for v in variants]
+        prompts = [engine.tokenize(p) for p in texts]
+    labels = [v.label for v in variants]
+    anchors = {v.label: LlamaServerSpec(args, v.k, args.port + i) for i, v in enumerate(variants)
+               if v.method == "llama.cpp"}
+    for anchor in anchors.values():
+        anchor.run(prompts[:1], 8)                          # warm-up
     engine.spec = None
     _run_prompts(engine, prompts[:1], 8)                    # warm-up
     results: dict[str, dict[str, list[float]]] = {l: {"tok_s": [], "accept": [], "mean_len": []} for l in labels}
     for rep in range(args.repeats):
         order = labels[rep % len(labels):] + labels[:rep % len(labels)]
         for label in order:
+            if label in anchors:
+                anchor = anchors[label]
+                drafted, accepted = anchor.drafted, anchor.accepted
+                tokens, secs = anchor.run(prompts, args.max_tokens)
+                results[label]["tok_s"].append(tokens / secs)
+                if anchor.drafted > drafted:
+                    results[label]["accept"].append((anchor.accepted - accepted) / (anchor.drafted - drafted))
+                _log(f"repeat {rep + 1} {label}: {tokens} tokens in {secs:.1f} s = {tokens / secs:.2f} tok/s")
+                continue
             dec = decoders[label]
             engine.spec = dec
             before = dataclasses.replace(dec.stats) if dec is not None else None
@@ -114,6 +183,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
                 results[label]["accept"].append(accepted / proposed if proposed else 0.0)
                 results[label]["mean_len"].append(1 + accepted / drafts if drafts else 1.0)
             _log(f"repeat {rep + 1} {label}: {tokens} tokens in {secs:.1f} s = {tokens / secs:.2f} tok/s")
+    for anchor in anchors.values():
+        anchor.close()
     base = results.get("none", {}).get("tok_s")
     print(f"\n{'variant':<12} {'decode tok/s':>13} {'vs none':>8} {'accept %':>9} {'mean len':>9}")
     rows = []

@@ -77,7 +77,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids=self.eos_token_ids, seed=config.seed)
         self.spec = build_speculative_decoder(config, self.sampler, model_cfg, self.device, self.dtype,
-                                              self.max_model_len, self.runner.kv_cache_bytes)
+                                              self.max_model_len, self.runner.kv_cache_bytes, self.runner.weight_bytes)
         self.requests: dict[str, Request] = {}
         self._seq_to_request: dict[int, Request] = {}
         log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache %d blocks x %d tokens = %d tokens "

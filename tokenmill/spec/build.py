@@ -9,16 +9,24 @@ from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.decoder import SpeculativeDecoder
 from tokenmill.spec.proposers import NgramProposer, Proposer
 
+# the cost of one more verified row relative to a target decode step (memory-bound: the weights
+# are read once for all rows; the rows add activation and attention work)
+VERIFY_ROW_COST = 0.02
+
 
 def build_speculative_decoder(config: EngineConfig, sampler: Sampler, target: ModelConfig, device: torch.device,
-                              dtype: torch.dtype, max_model_len: int, target_kv_bytes: int) -> SpeculativeDecoder | None:
+                              dtype: torch.dtype, max_model_len: int, target_kv_bytes: int,
+                              target_weight_bytes: int) -> SpeculativeDecoder | None:
     spec = SpeculativeConfig.parse(config.speculative_config)
     if spec is None:
         return None
     proposer: Proposer
+    cost = VERIFY_ROW_COST
     if spec.method == "ngram":
         proposer = NgramProposer(spec)
     else:
         from tokenmill.spec.draft_model import DraftModelProposer
         proposer = DraftModelProposer(config, spec, sampler, target, device, dtype, max_model_len, target_kv_bytes)
-    return SpeculativeDecoder(spec, proposer, sampler, max_model_len)
+        # decode streams the weights: a draft step costs about its share of the bytes
+        cost += proposer.runner.weight_bytes / target_weight_bytes
+    return SpeculativeDecoder(spec, proposer, sampler, max_model_len, draft_cost=cost)

@@ -13,7 +13,8 @@ class SpeculativeConfig:
     """method "ngram": prompt lookup (the last n tokens, n from prompt_lookup_max down to
     prompt_lookup_min, are searched for earlier in the sequence; the tokens that followed are the
     proposal). method "draft_model": a smaller model with the same tokenizer (`model`) proposes.
-    `disable_by_batch_size`: no speculation in a step with more running sequences than this
+    `adaptive_k` (tokenmill's extension): each request drafts the k that its own running acceptance
+    makes most profitable, up to num_speculative_tokens. `disable_by_batch_size`: no speculation in a step with more running sequences than this
     (verification costs more than it saves once the batch alone keeps the matmuls busy)."""
 
     method: str
@@ -24,6 +25,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     draft_kv_cache_memory: int | None = None   # bytes for the draft's own KV cache (default: 1/4 of the target's)
     quantization: str | None = None            # the draft's load-time quantization: int8 | rtn4 | nf4
+    adaptive_k: bool = False                   # per-request k in [1, num_speculative_tokens] (spec/adaptive.py)
 
     def __post_init__(self) -> None:
         def check(cond: bool, msg: str) -> None:
@@ -44,6 +46,7 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         check(b is None or (isinstance(b, int) and b >= 1), f"disable_by_batch_size must be an integer >= 1, got {b!r}")
         check(self.quantization is None or self.method == "draft_model", "'quantization' is only for method draft_model")
+        check(isinstance(self.adaptive_k, bool), f"adaptive_k must be true or false, got {self.adaptive_k!r}")
         m = self.draft_kv_cache_memory
         check(m is None or (isinstance(m, int) and m > 0), f"draft_kv_cache_memory must be a positive integer, got {m!r}")
 

@@ -17,6 +17,7 @@ import torch
 from tokenmill.engine.sampler import Sampler, gather_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence, TokenLogprobs
+from tokenmill.spec.adaptive import AcceptanceTracker
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.proposers import Proposer
 from tokenmill.spec.rejection import verify_drafts
@@ -75,12 +76,17 @@ class SpecStats:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, sampler: Sampler, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, sampler: Sampler, max_model_len: int,
+                 draft_cost: float = 0.0) -> None:
+        """draft_cost: one draft step plus one extra verified row, as a fraction of a target
+        step; adaptive k weighs it against the expected accepted tokens."""
         self.config = config
         self.proposer = proposer
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.stats = SpecStats()
+        self.draft_cost = draft_cost
+        self.tracker = AcceptanceTracker(config.num_speculative_tokens, draft_cost) if config.adaptive_k else None
         self._draft_probs: dict[int, torch.Tensor] = {}
 
     def _budget(self, seq: Sequence) -> int:
@@ -90,7 +96,8 @@ class SpeculativeDecoder:
         room = self.max_model_len - seq.num_tokens - 1
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(self.config.num_speculative_tokens, room))
+        k = self.config.num_speculative_tokens if self.tracker is None else self.tracker.choose(seq.seq_id)
+        return max(0, min(k, room))
 
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` of every running sequence: drafts for those decoding, [] for the
@@ -117,6 +124,8 @@ class SpeculativeDecoder:
     def forget(self, seq: Sequence) -> None:
         seq.spec_token_ids = []
         self._draft_probs.pop(seq.seq_id, None)
+        if self.tracker is not None:
+            self.tracker.forget(seq.seq_id)
         self.proposer.forget(seq)
 
     def verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
@@ -134,6 +143,8 @@ class SpeculativeDecoder:
             tokens, accepted = verify_drafts(target[row:row + k + 1], seq.spec_token_ids,
                                              None if probs is None else probs[:k], uniforms[row:row + k + 1])
             self.stats.record(k, accepted)
+            if self.tracker is not None:
+                self.tracker.record(seq.seq_id, k, accepted)
             lps: list[TokenLogprobs | None] = [None] * len(tokens)
             if seq.params.logprobs is not None:
                 ids = torch.tensor(tokens, device=logits.device)
