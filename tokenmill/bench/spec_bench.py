@@ -38,13 +38,13 @@ def _log(msg: str) -> None:
 class SpecVariant:
     label: str
     method: str | None         # None = no speculation; "llama.cpp" = the llama-server anchor
-    k: int = 0                 # drafts per round (the most, when adaptive); llama.cpp: --draft-max, 0 = no draft
+    k: int = 0                 # drafts per round (the most, when adaptive); llama.cpp: --spec-draft-n-max, 0 = no draft
     adaptive: bool = False
 
 
 def parse_spec_variants(text: str) -> list[SpecVariant]:
     """"none,draft:4,draft:auto:6,ngram:4,llama.cpp,llama.cpp:4" -> variants; auto = adaptive k up
-    to K; llama.cpp:K = llama-server with the draft GGUF (-md, --draft-max K)."""
+    to K; llama.cpp:K = llama-server with the draft GGUF (-md, --spec-draft-n-max K)."""
     out = []
     for item in text.split(","):
         parts = item.strip().split(":")
@@ -92,7 +92,7 @@ class LlamaServerSpec:
         spec = llama_server_spec(args.llama_server, resolve_model(args.model), port, 1, args.max_model_len,
                                  args.threads)
         if k:
-            spec.cmd += ["-md", str(resolve_model(args.draft)), "--draft-max", str(k), "-cd", str(args.max_model_len)]
+            spec.cmd += ["-md", str(resolve_model(args.draft)), "--spec-draft-n-max", str(k)]
         self.server = ManagedServer(spec).__enter__()
         import httpx
         self.client = httpx.Client(base_url=spec.base_url, timeout=None, trust_env=False)

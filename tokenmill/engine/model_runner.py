@@ -95,8 +95,13 @@ class ModelRunner:
         Sequences owed prompt logprobs also get those of the prompt rows this step ran, appended
         to `seq.prompt_logprobs` (only those rows, and the sampling rows, reach the lm_head)."""
         bs = self.block_size
-        # decode rows (one query token) go first so they share one batched attention call
-        order = sorted(scheduled, key=lambda item: item[1] != 1)
+        # decode rows go first so they share one batched attention call. A sequence verifying
+        # speculative drafts is decode rows too: its K/V rows are written before attention reads,
+        # so query i attending to the first start + i + 1 positions is exactly its causal view
+        def as_decode(seq: Sequence, n: int) -> bool:
+            k = len(seq.spec_token_ids)
+            return n == 1 or (k > 0 and seq.num_computed_tokens + n - k == seq.num_tokens)
+        order = sorted(scheduled, key=lambda item: not as_decode(*item))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -118,9 +123,10 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             row = len(input_ids) - 1
-            if n == 1:
-                decode_tables.append(table[: math.ceil(end / bs)])
-                decode_lens.append(end)
+            if as_decode(seq, n):
+                for p in range(start + 1, end + 1):
+                    decode_tables.append(table[: math.ceil(p / bs)])
+                    decode_lens.append(p)
             else:
                 bt = None if start == 0 else torch.tensor(table[: math.ceil(end / bs)], device=self.device)
                 prefills.append(PrefillSpan(row - n + 1, row + 1, end, bt))
