@@ -278,3 +278,14 @@ def test_adaptive_k_stays_exact_and_sizes_drafts_by_cost_and_acceptance(tiny_dir
     # n-gram drafts are nearly free and often right here: long drafts; the unrelated draft model
     # costs a full target step per draft and is always rejected: one-token drafts
     assert mean_draft["other"] == 1.0 and mean_draft["ngram"] > 2.0, mean_draft
+
+
+def test_quantized_draft_keeps_greedy_output_exact(tiny_dir):
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * len(PROMPTS)
+    base = LLM(model=tiny_dir, dtype="float32", max_model_len=256, kv_cache_memory=KV)
+    llm = LLM(model=tiny_dir, dtype="float32", max_model_len=256, kv_cache_memory=KV,
+              speculative_config=_draft(tiny_dir, k=3, quantization="int8", quantize_lm_head=True))
+    assert _ids(_gen(llm, PROMPTS, params)) == _ids(_gen(base, PROMPTS, params))
+    draft = llm.engine.spec.proposer.runner
+    assert draft.quant is not None and draft.quant.quantize_lm_head and draft.weight_bytes < base.engine.runner.weight_bytes
+    assert llm.engine.spec.stats.acceptance_rate > 0.5     # int8 copy of the target: mostly right

@@ -135,7 +135,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     spec_cfg = None
     if any(v.method == "draft_model" for v in variants):
         spec_cfg = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 1,
-                    **({"quantization": args.draft_quantization} if args.draft_quantization else {})}
+                    **({"quantization": args.draft_quantization} if args.draft_quantization else {}),
+                    **({"quantize_lm_head": True} if args.draft_quantize_lm_head else {})}
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                     kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
                                     num_threads=args.threads, enable_prefix_caching=False,

@@ -25,6 +25,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     draft_kv_cache_memory: int | None = None   # bytes for the draft's own KV cache (default: 1/4 of the target's)
     quantization: str | None = None            # the draft's load-time quantization: int8 | rtn4 | nf4
+    quantize_lm_head: bool = False             # the draft's lm_head too (a 0.5B draft's 152k-row head is
+                                               # most of its step in fp32)
     adaptive_k: bool = False                   # per-request k in [1, num_speculative_tokens] (spec/adaptive.py)
 
     def __post_init__(self) -> None:
@@ -46,6 +48,7 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         check(b is None or (isinstance(b, int) and b >= 1), f"disable_by_batch_size must be an integer >= 1, got {b!r}")
         check(self.quantization is None or self.method == "draft_model", "'quantization' is only for method draft_model")
+        check(not self.quantize_lm_head or self.quantization is not None, "'quantize_lm_head' needs 'quantization'")
         check(isinstance(self.adaptive_k, bool), f"adaptive_k must be true or false, got {self.adaptive_k!r}")
         m = self.draft_kv_cache_memory
         check(m is None or (isinstance(m, int) and m > 0), f"draft_kv_cache_memory must be a positive integer, got {m!r}")

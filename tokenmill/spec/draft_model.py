@@ -53,7 +53,8 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config: the draft model's context ({draft_cfg.context_length}) is shorter "
                              f"than max_model_len={max_model_len}")
         draft_config = dataclasses.replace(
-            config, model=str(path), tokenizer=None, quantization=spec.quantization, speculative_config=None,
+            config, model=str(path), tokenizer=None, quantization=spec.quantization,
+            quantize_lm_head=spec.quantize_lm_head, speculative_config=None,
             kv_cache_memory=spec.draft_kv_cache_memory or max(target_kv_bytes // 4, 1 << 20))
         model_cfg, weights = load_model_weights(path, dtype)
         self.runner = ModelRunner(draft_config, model_cfg, weights, device, dtype, max_model_len,
