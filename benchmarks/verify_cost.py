@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--rows", default="1,2,3,5,7")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -75,7 +76,8 @@ def main() -> None:
     print(machine_header(), flush=True)
     rows_list = [int(r) for r in args.rows.split(",")]
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory=1 << 28,
-                                    quantization=args.quantization, num_threads=args.threads,
+                                    quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                                    num_threads=args.threads,
                                     enable_prefix_caching=False))
     cfg = engine.model_config
     with torch.inference_mode():

@@ -46,3 +46,17 @@ def test_linear_module_takes_the_kernel_only_where_it_applies(monkeypatch):
     x = torch.randn(3, 64, requires_grad=True)
     Linear(64, 48)(x).sum().backward()            # autograd: the torch path, which has a backward
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_codes_match_the_dequantized_weight(rows):
+    from tokenmill.quant.int8 import Int8Linear
+    torch.manual_seed(rows)
+    layer = Int8Linear.from_float(torch.randn(70, 100), torch.randn(70))
+    x = torch.randn(rows, 100)
+    want = F.linear(x, layer.dequantize(), layer.bias)
+    torch.testing.assert_close(ext.small_m_linear_int8(x, layer.qweight, layer.scale, layer.bias), want,
+                               atol=1e-4, rtol=1e-5)
+    if layer.int_dot is None:            # CPUs without VNNI: the layer's forward takes this kernel
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)

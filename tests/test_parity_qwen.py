@@ -5,7 +5,8 @@ weights for the two implementations)."""
 import os
 
 import pytest
-import torch
+
+from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -20,32 +21,11 @@ MODELS = ["qwen2.5-coder-0.5b-instruct",
               os.environ.get("TOKENMILL_TEST_QWEN_1_5B") != "1", reason="opt-in: TOKENMILL_TEST_QWEN_1_5B=1"))]
 
 
-def _hf_greedy(name: str) -> list[tuple[list[int], list[int]]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tokenmill.hub import resolve_model
-    path = resolve_model(name)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tok(prompt)["input_ids"]
-            out = model(torch.tensor([ids]), use_cache=True)
-            new = []
-            for _ in range(NEW_TOKENS):
-                nxt = int(out.logits[0, -1].argmax())
-                new.append(nxt)
-                out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-            refs.append((ids, new))
-    del model
-    return refs
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_hf_with_and_without_speculation(name):
     from tokenmill import LLM, SamplingParams
-    refs = _hf_greedy(name)
+    from tokenmill.hub import resolve_model
+    refs = hf_greedy(resolve_model(name), PROMPTS, NEW_TOKENS)
     llm = LLM(model=name, dtype="float32", max_model_len=512, kv_cache_memory=64 << 20,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

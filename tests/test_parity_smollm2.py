@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from tests.hf_reference import hf_greedy
 from tokenmill.config import cpu_has_fast_bf16
 
 pytestmark = pytest.mark.slow
@@ -31,22 +32,7 @@ def gguf_path():
 @pytest.fixture(scope="module")
 def reference(gguf_path):
     """HF transformers fp32 greedy continuation of every prompt (its own KV cache)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                 dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tok(prompt)["input_ids"]
-            out = model(torch.tensor([ids]), use_cache=True)
-            new = []
-            for _ in range(NEW_TOKENS):
-                nxt = int(out.logits[0, -1].argmax())
-                new.append(nxt)
-                out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-            refs.append((ids, new))
-    return refs
+    return hf_greedy(gguf_path, PROMPTS, NEW_TOKENS)
 
 
 def _generate(**kwargs):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.cpu_kernels import dense_small_m_kernels
 from tokenmill.quant.int_dot import KERNEL_DTYPES, Int8DotWeights, int8_block, int_dot_available
 from tokenmill.quant.kernels import cpu_has_fast_int8_dot, use_int_dot_kernel, use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_linear, tiled_supported
@@ -77,6 +78,9 @@ class Int8Linear(nn.Module):
             # (measured in benchmarks/README.md) and lets the products run in integers
             xs = x if self.smooth_inv is None else (x * self.smooth_inv).to(x.dtype)
             return self.int_dot.linear(xs.contiguous())
+        small = self._small_batch_kernel(x)
+        if small is not None:
+            return small.small_m_linear_int8(x, self.qweight, self.scale, self.bias)
         out_dtype = x.dtype
         if self.act_quant:
             y = self._w8a8(x)
@@ -89,6 +93,16 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(out_dtype)
+
+    def _small_batch_kernel(self, x: torch.Tensor) -> ModuleType | None:
+        """fp32 rows widened from the int8 codes in registers, one pass over the codes for up to 8
+        rows (model/csrc/dense_small_m.h): on CPUs without VNNI torch's weight-only kernel casts x
+        to bf16 and streamed the 0.5B Qwen's codes at a third of memory bandwidth (benchmarks/README.md)."""
+        if (self.act_quant or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+                or torch.is_grad_enabled() or (self.bias is not None and self.bias.dtype != torch.float32)):
+            return None
+        ops = dense_small_m_kernels()
+        return ops if ops is not None and 0 < x.shape[0] <= ops.max_rows else None
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         qx, sx = quantize_per_token(x.float() * self.smooth_inv)

@@ -3,6 +3,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_m_linear", &tokenmill::dense::small_m_linear,
         "x W^T + b for fp32 x of at most 8 rows, one pass over W (CPU)");
+  m.def("small_m_linear_int8", &tokenmill::dense::small_m_linear_int8,
+        "x (codes * scale)^T + b for fp32 x of at most 8 rows and int8 codes with per-row scales (CPU)");
   m.attr("max_rows") = tokenmill::dense::kMaxRows;
   m.attr("vectorized") = bool(TM_DENSE_VECTORIZED);   // without SIMD it is no faster than MKL
 }

@@ -45,75 +45,107 @@ inline float sum(Reg a) {
 }
 #endif
 
+#if defined(__AVX512F__)
+inline Reg load_w(const float* p) { return _mm512_loadu_ps(p); }
+inline Reg load_w(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif TM_DENSE_VECTORIZED
+inline Reg load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline Reg load_w(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n] over rows n0..n1 (scale: null = 1);
+// w is float or int8 codes (weight-only int8: one byte per weight streamed, widened in registers)
 #if TM_DENSE_VECTORIZED
-template <int M>
-void rows(const float* x, const float* w, const float* bias, float* out, int64_t K, int64_t N, int64_t n0,
-          int64_t n1) {
+template <int M, typename W>
+void rows(const float* x, const W* w, const float* scale, const float* bias, float* out, int64_t K, int64_t N,
+          int64_t n0, int64_t n1) {
   const int64_t kv = K - K % V;
   for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = w + n * K;
+    const W* wr = w + n * K;
     Reg acc[M];
     for (int m = 0; m < M; ++m) acc[m] = zero();
     for (int64_t k = 0; k < kv; k += V) {
-      const Reg wv = load(wr + k);
+      const Reg wv = load_w(wr + k);
       for (int m = 0; m < M; ++m) acc[m] = fma(load(x + m * K + k), wv, acc[m]);
     }
     for (int m = 0; m < M; ++m) {
       float s = sum(acc[m]);
-      for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * wr[k];
+      for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * static_cast<float>(wr[k]);
+      if (scale) s *= scale[n];
       out[m * N + n] = bias ? s + bias[n] : s;
     }
   }
 }
 #else
-template <int M>
-void rows(const float* x, const float* w, const float* bias, float* out, int64_t K, int64_t N, int64_t n0,
-          int64_t n1) {
+template <int M, typename W>
+void rows(const float* x, const W* w, const float* scale, const float* bias, float* out, int64_t K, int64_t N,
+          int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     for (int m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * w[n * K + k];
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * static_cast<float>(w[n * K + k]);
+      if (scale) s *= scale[n];
       out[m * N + n] = bias ? s + bias[n] : s;
     }
 }
 #endif
 
-}  // namespace detail
-
-// x [M, K] fp32 with M <= kMaxRows, weight [N, K] fp32, bias [N] fp32 or none -> [M, N] fp32.
-inline torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                                    const std::optional<torch::Tensor>& bias) {
+template <typename W>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& weight, const float* scale,
+                  const std::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "small_m_linear: shapes");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "small_m_linear: fp32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "small_m_linear: fp32 activations only");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_m_linear: 1..", kMaxRows, " rows");
   TORCH_CHECK(weight.is_contiguous(), "small_m_linear: contiguous weight");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const torch::Tensor xc = x.contiguous();
   std::optional<torch::Tensor> b;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "small_m_linear: bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "small_m_linear: fp32 bias of N");
     b = bias->contiguous();
   }
   torch::Tensor out = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const W* wp = weight.data_ptr<W>();
   const float* bp = b.has_value() ? b->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  // ~64 KiB of weight per task: small layers stay on one thread, big ones split evenly
+  // ~64 KiB of fp32 weight per task: small layers stay on one thread, big ones split evenly
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     switch (M) {
-      case 1: detail::rows<1>(xp, wp, bp, op, K, N, n0, n1); break;
-      case 2: detail::rows<2>(xp, wp, bp, op, K, N, n0, n1); break;
-      case 3: detail::rows<3>(xp, wp, bp, op, K, N, n0, n1); break;
-      case 4: detail::rows<4>(xp, wp, bp, op, K, N, n0, n1); break;
-      case 5: detail::rows<5>(xp, wp, bp, op, K, N, n0, n1); break;
-      case 6: detail::rows<6>(xp, wp, bp, op, K, N, n0, n1); break;
-      case 7: detail::rows<7>(xp, wp, bp, op, K, N, n0, n1); break;
-      default: detail::rows<8>(xp, wp, bp, op, K, N, n0, n1); break;
+      case 1: rows<1>(xp, wp, scale, bp, op, K, N, n0, n1); break;
+      case 2: rows<2>(xp, wp, scale, bp, op, K, N, n0, n1); break;
+      case 3: rows<3>(xp, wp, scale, bp, op, K, N, n0, n1); break;
+      case 4: rows<4>(xp, wp, scale, bp, op, K, N, n0, n1); break;
+      case 5: rows<5>(xp, wp, scale, bp, op, K, N, n0, n1); break;
+      case 6: rows<6>(xp, wp, scale, bp, op, K, N, n0, n1); break;
+      case 7: rows<7>(xp, wp, scale, bp, op, K, N, n0, n1); break;
+      default: rows<8>(xp, wp, scale, bp, op, K, N, n0, n1); break;
     }
   });
   return out;
+}
+
+}  // namespace detail
+
+// x [M, K] fp32 with M <= kMaxRows, weight [N, K] fp32, bias [N] fp32 or none -> [M, N] fp32.
+inline torch::Tensor small_m_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                                    const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "small_m_linear: fp32 weight");
+  return detail::run<float>(x, weight, nullptr, bias);
+}
+
+// Weight-only int8: codes [N, K] int8 with per-row fp32 scales [N]: x (codes * scale)^T + bias.
+inline torch::Tensor small_m_linear_int8(const torch::Tensor& x, const torch::Tensor& codes,
+                                         const torch::Tensor& scale, const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "small_m_linear_int8: int8 codes");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == codes.size(0) && scale.is_contiguous(),
+              "small_m_linear_int8: fp32 scale per row");
+  return detail::run<int8_t>(x, codes, scale.data_ptr<float>(), bias);
 }
 
 }  // namespace tokenmill::dense
