@@ -33,12 +33,12 @@ def kernel_ms(batch: int, context: int, heads: int = 9, kv_heads: int = 3, head_
     lens = torch.full((batch,), context, dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim).to(torch.bfloat16)
     for _ in range(3):
-        k.paged_decode_attention(q, kc, vc, tables, lens, head_dim ** -0.5)
+        k.paged_decode_attention(q, kc, vc, tables, lens, head_dim ** -0.5, 0)
     rounds = []
     for _ in range(5):
         t = time.perf_counter()
         for _ in range(iters):
-            k.paged_decode_attention(q, kc, vc, tables, lens, head_dim ** -0.5)
+            k.paged_decode_attention(q, kc, vc, tables, lens, head_dim ** -0.5, 0)
         rounds.append((time.perf_counter() - t) / iters * 1000)
     return statistics.median(rounds)
 

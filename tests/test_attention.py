@@ -5,10 +5,11 @@ import torch
 from tokenmill.model import attention
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan, paged_attention
 from tokenmill.model.cpu_kernels import paged_decode_kernels
+from tokenmill.quant.kv_cache import QMAX, KVCache, dequantize, quantize
 
 
-def reference(q, k_ctx, v_ctx, scale):
-    """q: [n, Hq, D] at the last n positions of k_ctx/v_ctx [L, Hk, D]."""
+def reference(q, k_ctx, v_ctx, scale, window=None):
+    """q: [n, Hq, D] at the last n positions of k_ctx/v_ctx [L, Hk, D]; a window of W keys."""
     n, hq, _ = q.shape
     L, hk, _ = k_ctx.shape
     k = k_ctx.double().repeat_interleave(hq // hk, dim=1)
@@ -16,10 +17,12 @@ def reference(q, k_ctx, v_ctx, scale):
     s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
     pos = torch.arange(L - n, L)[:, None]
     s = s.masked_fill(torch.arange(L)[None, :] > pos, float("-inf"))
+    if window is not None:
+        s = s.masked_fill(torch.arange(L)[None, :] <= pos - window, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
-def make_case(dtype, hq, hk, lens, prefill=(), bs=4, d=16, seed=0):
+def make_case(dtype, hq, hk, lens, prefill=(), bs=4, d=16, seed=0, window=None):
     g = torch.Generator().manual_seed(seed)
     nblocks = 64
     k_cache = torch.randn(nblocks, bs, hk, d, generator=g).to(dtype)
@@ -41,17 +44,17 @@ def make_case(dtype, hq, hk, lens, prefill=(), bs=4, d=16, seed=0):
     width = max(len(t) for L, n, t in seqs[:nd]) if nd else 0
     start = nd
     for L, n, table in seqs[nd:]:
-        spans.append(PrefillSpan(start, start + n, L, None if n == L else torch.tensor(table)))
+        spans.append(PrefillSpan(start, start + n, L, None if n == L else torch.tensor(table), window))
         start += n
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), num_decode_tokens=nd,
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for _, _, t in seqs[:nd]], dtype=torch.int32) if nd else None,
         decode_context_lens=torch.tensor(lens, dtype=torch.int32) if nd else None,
-        prefills=spans)
+        prefills=spans, window=window)
     return q, k, v, k_cache, v_cache, meta, seqs
 
 
-def expected(q, k_cache, v_cache, seqs, scale):
+def expected(q, k_cache, v_cache, seqs, scale, window=None):
     """Dense reference computed after the cache write (paged_attention writes first)."""
     outs, row = [], 0
     bs = k_cache.shape[1]
@@ -59,7 +62,7 @@ def expected(q, k_cache, v_cache, seqs, scale):
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(L)])
         kc = k_cache.view(-1, *k_cache.shape[2:])[slots]
         vc = v_cache.view(-1, *v_cache.shape[2:])[slots]
-        outs.append(reference(q[row:row + n], kc, vc, scale))
+        outs.append(reference(q[row:row + n], kc, vc, scale, window))
         row += n
     return torch.cat(outs)
 
@@ -75,7 +78,7 @@ def test_paged_attention_matches_dense_reference(monkeypatch, use_kernel, dtype,
         monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
     q, k, v, kc, vc, meta, seqs = make_case(dtype, hq, hk, lens=[1, 5, 17, 33], prefill=prefill)
     scale = 0.25
-    out = paged_attention(q, k, v, kc, vc, meta, scale)
+    out = paged_attention(q, k, v, KVCache(kc, vc), meta, scale)
     ref = expected(q, kc, vc, seqs, scale)
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
@@ -93,5 +96,57 @@ def test_decode_kernel_shapes_match_dense_reference(dtype, tol, hq, hk, d, lens)
     if paged_decode_kernels() is None:
         pytest.fail("the C++ decode kernel did not compile")
     q, k, v, kc, vc, meta, seqs = make_case(dtype, hq, hk, lens=lens, bs=16, d=d)
-    out = paged_attention(q, k, v, kc, vc, meta, d ** -0.5)
+    out = paged_attention(q, k, v, KVCache(kc, vc), meta, d ** -0.5)
     torch.testing.assert_close(out.double(), expected(q, kc, vc, seqs, d ** -0.5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("window", [1, 5, 8, 40])
+def test_sliding_window_matches_dense_reference(monkeypatch, use_kernel, window):
+    """Decode rows and prefill spans (whole and chunked) attend to the last `window` keys only;
+    the blocks before the window are never needed (they are zeroed-out garbage here: NaN)."""
+    if use_kernel and paged_decode_kernels() is None:
+        pytest.fail("the C++ decode kernel did not compile")
+    if not use_kernel:
+        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
+    q, k, v, kc, vc, meta, seqs = make_case(torch.float32, 6, 2, lens=[1, 5, 17, 33], prefill=[(9, 9), (21, 6)],
+                                            window=window)
+    out = paged_attention(q, k, v, KVCache(kc, vc), meta, 0.25)
+    torch.testing.assert_close(out.double(), expected(q, kc, vc, seqs, 0.25, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.int8, 1 / 254), (torch.float8_e4m3fn, 1 / 16), (torch.float8_e5m2, 1 / 8)])
+def test_kv_quantization_error_bound(dtype, rel):
+    x = torch.randn(64, 4, 32) * torch.logspace(-2, 2, 4)[None, :, None]     # heads of very different ranges
+    codes, scale = quantize(x, dtype)
+    assert codes.dtype == dtype and scale.shape == (64, 4)
+    err = (dequantize(codes, scale, torch.float32) - x).abs()
+    bound = rel * (x.abs().amax(-1, keepdim=True) if dtype == torch.int8 else x.abs()) + 1e-6 * scale[..., None]
+    assert (err <= bound * 1.001 + scale[..., None] * QMAX[dtype] * 1e-7).all()
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("window", [None, 8])
+def test_quantized_cache_matches_dense_reference_on_its_dequantized_values(monkeypatch, use_kernel, dtype, window):
+    """Written rows are quantized, and every path reads exactly the dequantized codes; a prefill
+    of a whole prompt attends with its fresh (unquantized) K/V, as vLLM's does."""
+    if use_kernel and paged_decode_kernels() is None:
+        pytest.fail("the C++ decode kernel did not compile")
+    if not use_kernel:
+        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
+    q, k, v, kc, vc, meta, seqs = make_case(torch.float32, 6, 2, lens=[1, 5, 17, 33], prefill=[(9, 9), (21, 6)],
+                                            window=window)
+    (ck, sk), (cv, sv) = quantize(kc, dtype), quantize(vc, dtype)
+    cache = KVCache(ck, cv, sk, sv)
+    out = paged_attention(q, k, v, cache, meta, 0.25)
+    kd, vd = dequantize(ck, sk, torch.float32), dequantize(cv, sv, torch.float32)
+    # the new rows were quantized on write
+    rows = kd.view(-1, 2, 16)[meta.slot_mapping]
+    torch.testing.assert_close(rows, dequantize(*quantize(k, dtype), torch.float32))
+    for span in meta.prefills:
+        if span.block_table is None:
+            fresh = meta.slot_mapping[span.start:span.end]
+            kd.view(-1, 2, 16)[fresh] = k[span.start:span.end]
+            vd.view(-1, 2, 16)[fresh] = v[span.start:span.end]
+    torch.testing.assert_close(out.double(), expected(q, kd, vd, seqs, 0.25, window), atol=1e-5, rtol=1e-5)

@@ -13,7 +13,6 @@ import torch
 import transformers
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.loader import load_model_weights, read_model_config
 from tokenmill.sampling_params import SamplingParams
@@ -50,8 +49,13 @@ VARIANTS = {
     "yarn-rope": Variant(transformers.Qwen2Config, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, **SCALED}},
                          {"rope_scaling": None}),
     "qwen2-bias": Variant(transformers.Qwen2Config, {}, {"attention_bias": False}),
-    # off: a window shorter than the length, which the engine must refuse (numbers: see below)
+    # off: a window shorter than the length (the model's window is longer than it: exact either way)
     "mistral-in-window": Variant(transformers.MistralConfig, {"sliding_window": 128}, {"sliding_window": 16}),
+    # a window of 16 under 48-token prompts: prefill chunks past the window, decode through it
+    "mistral-window": Variant(transformers.MistralConfig, {"sliding_window": 16}, {"sliding_window": None}),
+    "qwen2-window": Variant(transformers.Qwen2Config, {"sliding_window": 16, "use_sliding_window": True,
+                                                       "max_window_layers": 1},
+                            {"sliding_window": None, "layer_types": None}),
     "head-dim-32": Variant(transformers.LlamaConfig, {"head_dim": 32}, {"head_dim": 16}),
     "llama-all-biases": Variant(transformers.LlamaConfig, {"attention_bias": True, "mlp_bias": True},
                                 {"o_proj_bias": False, "mlp_bias": False}),
@@ -92,7 +96,7 @@ def ours_greedy(cfg: ModelConfig, weights, prompt: list[int], steps: int, chunk:
     per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * block
     econf = EngineConfig(block_size=block, kv_cache_memory=per_block * 64)
     runner = ModelRunner(econf, cfg, dict(weights), torch.device("cpu"), torch.float32, max_model_len)
-    bm = BlockManager(runner.num_blocks, block)
+    bm = runner.make_block_manager(enable_prefix_caching=False)
     seq = Sequence("0", list(prompt), SamplingParams(max_tokens=steps))
     assert bm.admit(seq, [], 0)
     logits, tokens = [], []
@@ -162,22 +166,15 @@ def test_scaled_rope_extends_the_context(tmp_path: Path) -> None:
         assert read_model_config(path).context_length == expected, name
 
 
-def test_mistral_window_shorter_than_the_length_is_refused_or_capped(tmp_path: Path) -> None:
-    """Sliding-window attention is not implemented: past the window full attention gives other
-    numbers than transformers (shown), so an explicit longer max_model_len is refused by name
-    and an unspecified one is capped at the window."""
-    v = dataclasses.replace(VARIANTS["mistral-in-window"], overrides={"sliding_window": 16})
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_window_parity_whatever_the_chunking(tmp_path: Path, chunk: int) -> None:
+    """Prefill in chunks shorter than the window, and in one chunk longer than it."""
+    v = VARIANTS["mistral-window"]
     model = build_hf(v)
     cfg, weights = load_model_weights(saved(tmp_path, model), torch.float32)
-    assert cfg.sliding_window == 16
-    with pytest.raises(ValueError, match="sliding_window"):
-        cfg.resolve_max_model_len(64)
-    assert cfg.resolve_max_model_len(None) == 16
-    assert cfg.resolve_max_model_len(16) == 16
-    prompt = prompt_of(40)
-    _, ref = hf_greedy(model, prompt, 4)
-    _, ours_full_attention = ours_greedy(dataclasses.replace(cfg, sliding_window=None), weights, prompt, 4)
-    assert (ours_full_attention - ref).abs().max() > 1e-2
+    prompt = prompt_of(v.prompt_len)
+    ref, _ = hf_greedy(model, prompt, 8)
+    assert ours_greedy(cfg, weights, prompt, 8, chunk=chunk)[0] == ref
 
 
 def test_qwen2_sliding_window_only_counts_when_used(tmp_path: Path) -> None:
@@ -185,7 +182,8 @@ def test_qwen2_sliding_window_only_counts_when_used(tmp_path: Path) -> None:
     off = transformers.Qwen2Config(**base, use_sliding_window=False)
     on = transformers.Qwen2Config(**base, use_sliding_window=True, max_window_layers=1)
     assert ModelConfig.from_hf(off.to_dict()).sliding_window is None
-    assert ModelConfig.from_hf(on.to_dict()).sliding_window == 16
+    cfg = ModelConfig.from_hf(on.to_dict())
+    assert (cfg.sliding_window, cfg.layer_window(0), cfg.layer_window(1)) == (16, None, 16)
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.model.attention import AttentionMetadata
+from tokenmill.quant.kv_cache import KVCache
 from tokenmill.model.decode_stack import DecodeStack, decode_stack_kernels
 from tokenmill.quant.int_dot import int_dot_available
 from tokenmill.sampling_params import SamplingParams
@@ -84,14 +85,16 @@ def test_mixed_steps_and_autograd_take_the_eager_layers():
     if decode_stack_kernels() is None:
         pytest.fail("the decode stack did not compile on this CPU host")
     stack = _runner(torch.float32, None).model.decode_stack
-    kv = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
+    kv = [KVCache(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
     decode = AttentionMetadata(torch.zeros(2, dtype=torch.long), 2, None, None, [])
     x = torch.zeros(2, 64)
     with torch.inference_mode():
-        assert stack.applies(x, kv, decode)
-        assert not stack.applies(x, kv, AttentionMetadata(torch.zeros(2, dtype=torch.long), 1, None, None, [object()]))
-        assert not stack.applies(x, [(k.half(), v.half()) for k, v in kv], decode)   # a KV cache in another dtype
-    assert not stack.applies(x, kv, decode)          # gradients on (training, calibration)
+        assert stack.applies(x, kv, [decode])
+        assert not stack.applies(x, kv, [AttentionMetadata(torch.zeros(2, dtype=torch.long), 1, None, None, [object()])])
+        assert not stack.applies(x, [KVCache(c.k.half(), c.v.half()) for c in kv], [decode])   # a KV cache in another dtype
+        two_groups = [decode, AttentionMetadata(torch.zeros(2, dtype=torch.long), 2, None, None, [], window=8)]
+        assert not stack.applies(x, kv * 2, two_groups)
+    assert not stack.applies(x, kv, [decode])          # gradients on (training, calibration)
 
 
 def test_enforce_eager_and_layers_that_cannot_join():

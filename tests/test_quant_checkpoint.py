@@ -15,6 +15,7 @@ from tokenmill.model.loader import checkpoint_quant_config, load_model_weights
 from tokenmill.quant import formats
 from tokenmill.quant.apply import quantize_model
 from tokenmill.quant.calibrate import CALIBRATED_METHODS, prefill_metadata, quantize_calibrated
+from tokenmill.quant.kv_cache import KVCache
 from tokenmill.quant.checkpoint import save_quantized
 from tokenmill.quant.config import QuantConfig
 from tokenmill.quant.group import rtn_quantize
@@ -41,9 +42,10 @@ HELD_OUT = _seqs(4, 32, 2)
 def logits(model, ids):
     cfg = model.cfg
     shape = (1, len(ids), cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    kv = [KVCache(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    meta = prefill_metadata([len(ids)])
     with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, prefill_metadata([len(ids)])))
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, [meta] * cfg.num_layers))
 
 
 def quantized(src, qcfg):

@@ -32,7 +32,7 @@ class ModelConfig:
     """Architecture hyper-parameters, in HF transformers' vocabulary. Built from a checkpoint by
     tokenmill/model/registry.py (HF) or loader.py (GGUF), which refuse what it cannot express."""
 
-    architecture: str                 # "llama" | "qwen2"
+    architecture: str                 # "llama" | "qwen2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,6 +50,19 @@ class ModelConfig:
     mlp_bias: bool = False            # gate/up/down carry biases (Llama mlp_bias)
     sliding_window: int | None = None # some layer attends only this far back
     eos_token_ids: list[int] = field(default_factory=list)
+    # per layer "full_attention" | "sliding_attention"; None: every layer (Mistral) when
+    # sliding_window is set
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None       # rope base of the sliding layers (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (Gemma); None: head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends through, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -65,24 +78,11 @@ class ModelConfig:
         return self.rope_scaling.context_length(self.max_position_embeddings)
 
     def resolve_max_model_len(self, requested: int | None) -> int:
-        """The engine's max length: `requested` (vLLM's --max-model-len) or the checkpoint's context.
-        Sliding-window attention is not implemented yet, so a window shorter than the length is
-        refused when the user asked for that length, and caps the length when they did not."""
+        """The engine's max length: `requested` (vLLM's --max-model-len) or the checkpoint's context."""
         limit = self.context_length
         if requested is not None and requested > limit:
             raise ValueError(f"max_model_len={requested} exceeds the model's context length {limit}")
-        length = requested or limit
-        if self.sliding_window is not None and length > self.sliding_window:
-            if requested is not None:
-                raise UnsupportedConfig(
-                    f"config key 'sliding_window' = {self.sliding_window}: sliding-window attention is not "
-                    f"implemented yet and full attention differs beyond {self.sliding_window} tokens; "
-                    f"use max_model_len <= {self.sliding_window}")
-            log.warning("model attends through a sliding window of %d tokens (not implemented yet): "
-                        "max_model_len capped at %d, where full attention is exact", self.sliding_window,
-                        self.sliding_window)
-            length = self.sliding_window
-        return length
+        return requested or limit
 
 
 # (max_num_seqs, max_num_batched_tokens) when not given, for GPUs and CPUs. On a
@@ -125,6 +125,7 @@ class EngineConfig:
     num_threads: int | None = None            # CPU intra-op threads (None = torch default)
     quantization: str | None = None           # quantize at load time: int8 | rtn4 | nf4
     quantize_lm_head: bool = False            # also quantize the lm_head (off: it is small and sensitive)
+    kv_cache_dtype: str = "auto"              # auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2
     enforce_eager: bool = False               # True: always the eager layers, never the C++ decode stack
     speculative_config: Any = None            # dict / JSON text / SpeculativeConfig (tokenmill/spec/config.py)
 

@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.hub import resolve_model
+from tokenmill.model import causal_lm_class
 from tokenmill.model.llama import LlamaForCausalLM, hf_module_sources, hf_row_sizes
 from tokenmill.model.registry import hf_config_from_model
 from tokenmill.model.loader import load_model_weights, load_tokenizer
@@ -41,7 +42,7 @@ def load_float_model(path: Path) -> tuple[LlamaForCausalLM, ModelConfig, dict[st
         if "quantization_config" in hf:
             raise ValueError(f"{path} is already quantized ({hf['quantization_config'].get('quant_method')})")
     cfg, weights = load_model_weights(path, torch.float32)
-    model = LlamaForCausalLM(cfg, cfg.max_position_embeddings)
+    model = causal_lm_class(cfg.architecture)(cfg, cfg.max_position_embeddings)
     model.load_hf_state_dict(weights)
     return model.eval(), cfg, hf if hf is not None else hf_config_from_model(cfg)
 

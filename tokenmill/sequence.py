@@ -34,7 +34,8 @@ _seq_counter = itertools.count()
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One generation stream. Invariant: `token_ids == prompt_token_ids + output_token_ids`;
-    positions `< num_computed_tokens` have their K/V in the blocks of `block_table`."""
+    positions `< num_computed_tokens` have their K/V in the blocks of `block_table` (one table
+    per KV group: `block_tables`; most models have one)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -45,7 +46,7 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_hashes: list[int] = field(default_factory=list)   # prefix hash of each full block
     # speculative drafts to verify this step, after the last token (never part of token_ids)
     spec_token_ids: list[int] = field(default_factory=list)
@@ -69,6 +70,11 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's block table (the only one of a full-attention model)."""
+        return self.block_tables[0]
 
     @property
     def num_prompt_tokens(self) -> int:

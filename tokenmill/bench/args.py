@@ -142,11 +142,14 @@ def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quality", help="held-out ShareGPT perplexity and greedy agreement per weight format")
     p.add_argument("--model", default="smollm2-135m-instruct", help="known model name, .gguf file or HF dir")
     p.add_argument("--variants", default=None,
-                   help="comma list of label=MODEL or label=MODEL@METHOD (default: float=<model>); "
+                   help="comma list of label=MODEL[@METHOD][:kv=KV_DTYPE] (default: float=<model>); "
                         "the first is the reference")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--eval-tokens", type=int, default=50000, help="predicted tokens for perplexity")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="longest perplexity chunk")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="step budget: small budgets make the prompt's later rows read K/V back from the cache, "
+                        "which KV-cache formats need (a whole-prompt prefill attends with fresh K/V)")
     p.add_argument("--agree-prompts", type=int, default=50)
     p.add_argument("--agree-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

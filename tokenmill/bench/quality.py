@@ -1,6 +1,6 @@
-"""`tokenmill bench quality`: what a weight format costs in model quality, through the engine.
+"""`tokenmill bench quality`: what a weight or KV-cache format costs in model quality, through the engine.
 
-Two measures per variant (a model, optionally with a quantization method):
+Two measures per variant (a model, optionally with a quantization method and a KV-cache dtype):
 - perplexity on held-out ShareGPT text (conversations >= HELD_OUT_START, never used for
   calibration), from the engine's own prompt_logprobs=0, on the same token chunks for all;
 - greedy agreement with the first variant: share of prompts whose first N greedy tokens are
@@ -32,6 +32,7 @@ class Variant:
     label: str
     model: str
     quantization: str | None = None
+    kv_cache_dtype: str | None = None
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class VariantResult:
     label: str
     model: str
     quantization: str | None
+    kv_cache_dtype: str | None
     weight_bytes: int | None
     ppl: float
     nll_sum: float
@@ -49,14 +51,15 @@ class VariantResult:
 
 
 def parse_variants(spec: str | None, model: str) -> list[Variant]:
-    """`label=MODEL` or `label=MODEL@METHOD`, comma-separated; default `float=<model>`."""
+    """`label=MODEL[@METHOD][:kv=KV_DTYPE]`, comma-separated; default `float=<model>`."""
     out = []
     for item in (spec or f"float={model}").split(","):
         label, sep, target = item.strip().partition("=")
         if not sep or not label or not target:
-            raise ValueError(f"variant {item!r} is not label=MODEL[@METHOD]")
+            raise ValueError(f"variant {item!r} is not label=MODEL[@METHOD][:kv=KV_DTYPE]")
+        target, _, kv = target.partition(":kv=")
         name, _, method = target.partition("@")
-        out.append(Variant(label, name, method or None))
+        out.append(Variant(label, name, method or None, kv or None))
     if len({v.label for v in out}) != len(out):
         raise ValueError("variant labels must be unique")
     return out
@@ -128,6 +131,11 @@ def greedy_agreement(ref: list[list[int]], other: list[list[int]], num_tokens: i
 def _llm(v: Variant, args: argparse.Namespace, max_model_len: int) -> Any:
     from tokenmill.llm import LLM
     extra = {"quantization": v.quantization} if v.quantization else {}   # only when asked: older configs lack it
+    if v.kv_cache_dtype:
+        extra["kv_cache_dtype"] = v.kv_cache_dtype
+    if args.max_num_batched_tokens:
+        extra.update(max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_idle_batched_tokens=args.max_num_batched_tokens)
     return LLM(model=v.model, dtype=args.dtype, max_model_len=max_model_len, num_threads=args.threads,
                enable_prefix_caching=False, **extra)
 
@@ -170,7 +178,8 @@ def run_quality_bench(args: argparse.Namespace) -> dict[str, Any]:
             agree, prefix = greedy_agreement(ref_tokens, tokens, args.agree_tokens)
         else:
             ref_tokens = tokens
-        results.append(VariantResult(v.label, v.model, v.quantization, getattr(llm.engine.runner, "weight_bytes", None),
+        results.append(VariantResult(v.label, v.model, v.quantization, v.kv_cache_dtype,
+                                     getattr(llm.engine.runner, "weight_bytes", None),
                                      ppl, nll, n, agree, prefix, time.perf_counter() - t0))
         print(f"[quality {time.strftime('%H:%M:%S')}] {v.label}: PPL {ppl:.3f} over {n} tokens, "
               f"agreement {agree}, mean common prefix {prefix}", flush=True)

@@ -8,6 +8,9 @@ Invariants:
 - a full block's hash chains (parent hash, its token ids, extra keys); a hit is confirmed
   against the token ids stored in the block.
 - free blocks keep their hash and stay findable until evicted (least recently freed first).
+- a manager serves one KV group (engine/kv_groups.py): the table `seq.block_tables[group]`. A
+  sliding-window group releases the blocks no query can see any more; their table entries
+  become RELEASED (-1), so logical block i stays entry i.
 """
 from __future__ import annotations
 
@@ -37,11 +40,19 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...], extra: str | None
     return int.from_bytes(h.digest(), "little")
 
 
+RELEASED = -1   # table entry of a block a sliding window has left behind
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group: int = 0, window: int | None = None) -> None:
+        if window is not None and enable_prefix_caching:
+            raise ValueError("prefix caching of a sliding-window KV group is not implemented")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.group, self.window = group, window
+        self.released: dict[int, int] = {}    # seq_id -> leading table entries released (window only)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}      # block hash -> block id
@@ -93,7 +104,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // bs
         self._update_hashes(seq, num_full * bs)
         for i in range(num_full):
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[seq.block_tables[self.group][i]]
             if block.hash is not None:
                 continue
             h = seq.block_hashes[i]
@@ -113,6 +124,11 @@ class BlockManager:
         block.ref_count = 1
         return block
 
+    def table(self, seq: Sequence) -> list[int]:
+        while len(seq.block_tables) <= self.group:
+            seq.block_tables.append([])
+        return seq.block_tables[self.group]
+
     def can_admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         total = len(cached) * self.block_size + num_new_tokens
@@ -122,7 +138,8 @@ class BlockManager:
     def admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         """Give a new (or preempted) sequence its cached prefix blocks plus room for
         num_new_tokens more. Returns False, changing nothing, when memory is short."""
-        assert not seq.block_table
+        table = self.table(seq)
+        assert not table
         if not self.can_admit(seq, cached, num_new_tokens):
             return False
         for bid in cached:
@@ -130,7 +147,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_blocks[bid]
             block.ref_count += 1
-            seq.block_table.append(bid)
+            table.append(bid)
         num_cached = len(cached) * self.block_size
         seq.num_computed_tokens = num_cached
         # Only the first admission counts: after a preemption the hits are the sequence's own
@@ -142,34 +159,56 @@ class BlockManager:
             self.prefix_hits += num_cached
         return self.grow(seq, num_new_tokens)
 
+    def grow_need(self, seq: Sequence, num_new_tokens: int) -> int:
+        return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(self.table(seq))
+
     def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens beyond seq.num_computed_tokens. False if short."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        self.release_outside_window(seq)
+        need = self.grow_need(seq, num_new_tokens)
         if need > self.num_free_blocks:
             return False
+        table = self.table(seq)
         for _ in range(need):
-            seq.block_table.append(self._take_free_block().block_id)
+            table.append(self._take_free_block().block_id)
         return True
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Window group: release the blocks wholly before the window of seq's next query
+        (position num_computed_tokens sees keys from num_computed_tokens - window + 1 on)."""
+        if self.window is None:
+            return
+        table = self.table(seq)
+        first_needed = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        done = self.released.get(seq.seq_id, 0)
+        for i in range(done, min(first_needed, len(table))):
+            self._release(table[i])
+            table[i] = RELEASED
+        self.released[seq.seq_id] = max(done, min(first_needed, len(table)))
+
+    def _release(self, bid: int, front: bool = False) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {bid} freed twice"
+        if block.ref_count == 0:
+            self.free_blocks[bid] = None
+            if front:
+                self.free_blocks.move_to_end(bid, last=False)
 
     def trim(self, seq: Sequence) -> None:
         """Release the blocks past seq's computed tokens (the slots of rejected speculative
         drafts). They hold no cached prefix, so they go to the front of the free list."""
         keep = self.blocks_needed(seq.num_computed_tokens)
-        while len(seq.block_table) > keep:
-            bid = seq.block_table.pop()
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[bid] = None
-                self.free_blocks.move_to_end(bid, last=False)
+        table = self.table(seq)
+        while len(table) > keep:
+            self._release(table.pop(), front=True)
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references. Tail blocks are released first so that they are evicted
         before the (more shareable) head of the prefix."""
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {bid} freed twice"
-            if block.ref_count == 0:
-                self.free_blocks[bid] = None
-        seq.block_table = []
+        table = self.table(seq)
+        for bid in reversed(table):
+            if bid != RELEASED:
+                self._release(bid)
+        table.clear()
+        self.released.pop(seq.seq_id, None)

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.detokenizer import OutputText
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.hub import resolve_model
-from tokenmill.model.loader import checkpoint_quant_config, load_model_weights, load_tokenizer, read_model_config
+from tokenmill.model.loader import (checkpoint_quant_config, gguf_reader, load_model_weights, load_tokenizer,
+                                    read_model_config)
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence, TokenLogprobs
@@ -64,13 +64,11 @@ class LLMEngine:
         self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len,
                                   checkpoint_quant=checkpoint_quant_config(path))
         del weights
-        num_blocks = self.runner.num_blocks
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(f"KV cache holds {num_blocks * config.block_size} tokens, fewer than "
-                             f"max_model_len={self.max_model_len}; raise kv_cache_memory or lower max_model_len")
+        gguf_reader.cache_clear()        # start-up only: its parsed metadata is large
+        self.runner.check_holds_max_model_len()
         self.max_num_seqs = config.resolve_max_num_seqs(self.device)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = self.runner.make_block_manager(config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    config.resolve_max_idle_batched_tokens(self.device, self.max_model_len))
@@ -80,11 +78,9 @@ class LLMEngine:
                                               self.max_model_len, self.runner.kv_cache_bytes, self.runner.weight_bytes)
         self.requests: dict[str, Request] = {}
         self._seq_to_request: dict[int, Request] = {}
-        log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache %d blocks x %d tokens = %d tokens "
-                 "(max %.1f concurrent requests at max_model_len=%d)", config.model, model_cfg.architecture,
-                 self.device, str(self.dtype).removeprefix("torch."), time.perf_counter() - t0, num_blocks,
-                 config.block_size, num_blocks * config.block_size,
-                 num_blocks * config.block_size / self.max_model_len, self.max_model_len)
+        log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache of %d-token blocks: %s", config.model,
+                 model_cfg.architecture, self.device, str(self.dtype).removeprefix("torch."),
+                 time.perf_counter() - t0, config.block_size, self.runner.describe_kv_cache())
 
     def _eos_ids(self) -> list[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -3,16 +3,21 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.kv_groups import GroupedBlockManager, blocks_per_sequence, kv_bytes_per_token, plan_kv_groups
+from tokenmill.model import causal_lm_class
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.decode_stack import DecodeStack
 from tokenmill.engine.sampler import gather_logprobs
-from tokenmill.model.llama import LlamaForCausalLM, hf_module_sources, hf_row_sizes
+from tokenmill.model.llama import hf_module_sources, hf_row_sizes
 from tokenmill.quant.checkpoint import load_quantized_linears
 from tokenmill.quant.apply import quantize_model, weight_bytes
+from tokenmill.quant import kv_cache
 from tokenmill.quant.config import QuantConfig
 from tokenmill.sequence import Sequence
 
@@ -24,8 +29,19 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 PROMPT_LOGPROBS_ROWS = 256
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+def layer_token_bytes(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """K and V of one token in one layer (scales included)."""
+    return 2 * cfg.num_kv_heads * kv_cache.token_head_bytes(cfg.head_dim, kv_dtype)
+
+
+@dataclass(slots=True)
+class _Rows:
+    """One scheduled sequence's rows in the flat batch."""
+    seq: Sequence
+    start: int          # first position
+    end: int            # one past the last position
+    first_row: int
+    decode: bool        # one decode row per position (plain decode, speculative verification)
 
 
 class ModelRunner:
@@ -39,11 +55,11 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model_cfg = model_cfg
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_cfg, max_model_len)
+            model = causal_lm_class(model_cfg.architecture)(model_cfg, max_model_len)
         model = model.to_empty(device=device).to(dtype)
         if model_cfg.tie_word_embeddings:      # to_empty() materializes tied tensors separately
             model.lm_head.weight = model.embed_tokens.weight
-        model.rope = type(model.rope).for_model(model_cfg, max_model_len).to(device)   # buffers on meta
+        model.reset_rope(max_model_len, device)   # its buffers were built on meta
         quant = None
         if checkpoint_quant is not None:
             if config.quantization and config.quantization != checkpoint_quant.method:
@@ -66,14 +82,26 @@ class ModelRunner:
         self.model = model.eval()
         if not config.enforce_eager:
             model.decode_stack = DecodeStack.build(model)
-        self.num_blocks = self._num_kv_blocks(config)
-        shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_cache_bytes = 2 * model_cfg.num_layers * math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(model_cfg.num_layers)]
+        self.max_model_len = max_model_len
+        # the longest chunk a step may compute for one sequence (a window group must hold it)
+        self.max_chunk = config.resolve_max_idle_batched_tokens(device, max_model_len)
+        self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, dtype)
+        self.layer_block_bytes = layer_token_bytes(model_cfg, self.kv_dtype) * self.block_size
+        self.kv_groups = plan_kv_groups(model_cfg, self._kv_budget(config), self.block_size,
+                                        self.layer_block_bytes, max_model_len, self.max_chunk)
+        if any(g.num_blocks < 2 for g in self.kv_groups):
+            raise ValueError(f"KV cache budget too small: {self.describe_kv_cache()}; need >= 2 blocks per group")
+        self.num_blocks = self.kv_groups[0].num_blocks
+        self.kv_caches: list[kv_cache.KVCache] = [None] * model_cfg.num_layers
+        self.layer_group = [0] * model_cfg.num_layers
+        for gi, g in enumerate(self.kv_groups):
+            shape = (g.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+            for layer in g.layers:
+                self.kv_caches[layer] = kv_cache.allocate(shape, self.kv_dtype, device)
+                self.layer_group[layer] = gi
+        self.kv_cache_bytes = sum(len(g.layers) * g.num_blocks for g in self.kv_groups) * self.layer_block_bytes
 
-    def _num_kv_blocks(self, config: EngineConfig) -> int:
-        per_block = kv_bytes_per_token(self.model_cfg, self.dtype) * self.block_size
+    def _kv_budget(self, config: EngineConfig) -> int:
         budget = config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -82,10 +110,38 @@ class ModelRunner:
                 budget = int(total * config.gpu_memory_utilization) - used - (1 << 30)  # activations
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV cache budget of {budget} bytes holds {num_blocks} blocks; need >= 2")
-        return int(num_blocks)
+        return budget
+
+    def make_block_manager(self, enable_prefix_caching: bool) -> BlockManager | GroupedBlockManager:
+        """The block manager over this runner's KV groups."""
+        if len(self.kv_groups) == 1 and self.kv_groups[0].window is None:
+            return BlockManager(self.num_blocks, self.block_size, enable_prefix_caching)
+        if enable_prefix_caching:
+            log.info("prefix caching is off: the model has sliding-window layers (engine/kv_groups.py)")
+        return GroupedBlockManager(self.kv_groups, self.block_size)
+
+    def check_holds_max_model_len(self) -> None:
+        """Every group can hold one max_model_len sequence and its largest chunk (else it could
+        never finish)."""
+        for g in self.kv_groups:
+            need = blocks_per_sequence(g.window, self.max_model_len, self.block_size, self.max_chunk)
+            if g.num_blocks < need:
+                raise ValueError(f"the KV cache budget gives {g.num_blocks} blocks to the layers with window "
+                                 f"{g.window}, fewer than one max_model_len={self.max_model_len} sequence needs "
+                                 f"({need}); raise kv_cache_memory or lower max_model_len")
+
+    def describe_kv_cache(self) -> str:
+        """KV dtype, bytes per token (windows included), blocks per group and the max
+        concurrency at max_model_len, for the start-up log."""
+        parts = [f"{len(g.layers)} layers {'full' if g.window is None else f'window {g.window}'}: "
+                 f"{g.num_blocks} blocks" for g in self.kv_groups]
+        seqs = min(g.num_blocks / blocks_per_sequence(g.window, self.max_model_len, self.block_size)
+                   for g in self.kv_groups)
+        per_token = kv_bytes_per_token(self.kv_groups, self.layer_block_bytes // self.block_size,
+                                       self.max_model_len, self.block_size)
+        return (f"{str(self.kv_dtype).removeprefix('torch.')} K/V, {per_token:,.0f} bytes/token at "
+                f"max_model_len={self.max_model_len}; {'; '.join(parts)} "
+                f"(max {seqs:.1f} concurrent requests at max_model_len)")
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -94,7 +150,6 @@ class ModelRunner:
         1 + k rows for a sequence verifying k speculative drafts.
         Sequences owed prompt logprobs also get those of the prompt rows this step ran, appended
         to `seq.prompt_logprobs` (only those rows, and the sampling rows, reach the lm_head)."""
-        bs = self.block_size
         # decode rows go first so they share one batched attention call. A sequence verifying
         # speculative drafts is decode rows too: its K/V rows are written before attention reads,
         # so query i attending to the first start + i + 1 positions is exactly its causal view
@@ -104,10 +159,7 @@ class ModelRunner:
         order = sorted(scheduled, key=lambda item: not as_decode(*item))
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
+        rows: list[_Rows] = []
         sample_rows: dict[int, range] = {}
         prompt_spans: list[tuple[Sequence, int, int, int]] = []   # (seq, first row, its position, rows)
         for seq, n in order:
@@ -120,16 +172,8 @@ class ModelRunner:
                 input_ids.extend(seq.token_ids[start:])
                 input_ids.extend(seq.spec_token_ids[:end - seq.num_tokens])
             positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            rows.append(_Rows(seq, start, end, base, as_decode(seq, n)))
             row = len(input_ids) - 1
-            if as_decode(seq, n):
-                for p in range(start + 1, end + 1):
-                    decode_tables.append(table[: math.ceil(p / bs)])
-                    decode_lens.append(p)
-            else:
-                bt = None if start == 0 else torch.tensor(table[: math.ceil(end / bs)], device=self.device)
-                prefills.append(PrefillSpan(row - n + 1, row + 1, end, bt))
             if end >= seq.num_tokens:               # one row per draft too: it verifies them
                 sample_rows[seq.seq_id] = range(row - (end - seq.num_tokens), row + 1)
             if seq.needs_prompt_logprobs:
@@ -141,25 +185,49 @@ class ModelRunner:
                 if first < stop:
                     prompt_spans.append((seq, base + first - start, first, stop - first))
         dev = self.device
+        group_metas = [self._group_metadata(rows, gi, g.window) for gi, g in enumerate(self.kv_groups)]
+        metas = [group_metas[gi] for gi in self.layer_group]
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                            self.kv_caches, metas)
+        if prompt_spans:
+            self._prompt_logprobs(hidden, prompt_spans)
+        logit_rows = [r for seq, _ in scheduled if seq.seq_id in sample_rows for r in sample_rows[seq.seq_id]]
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev, dtype=torch.long)])
+
+    def _group_metadata(self, rows: list[_Rows], group: int, window: int | None) -> AttentionMetadata:
+        """Slots, decode block tables and prefill spans of one KV group (its own block tables;
+        entries a window released are -1, read as block 0 and never attended to)."""
+        bs, dev = self.block_size, self.device
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for r in rows:
+            table = r.seq.block_tables[group]
+            slots.extend(table[p // bs] * bs + p % bs for p in range(r.start, r.end))
+            if r.decode:
+                for p in range(r.start + 1, r.end + 1):
+                    decode_tables.append(table[: math.ceil(p / bs)])
+                    decode_lens.append(p)
+                continue
+            first, last = r.first_row, r.first_row + r.end - r.start
+            if r.start == 0:
+                prefills.append(PrefillSpan(first, last, r.end, None, window, device=dev))
+                continue
+            key_block = 0 if window is None else max(0, r.start - window + 1) // bs
+            bt = torch.tensor(table[key_block: math.ceil(r.end / bs)], device=dev)
+            prefills.append(PrefillSpan(first, last, r.end, bt, window, key_start=key_block * bs))
         nd = len(decode_tables)
         decode_bt = decode_lens_t = None
         if nd:
             width = max(len(t) for t in decode_tables)
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32, device=dev)
+            if window is not None:
+                decode_bt.clamp_(min=0)
             decode_lens_t = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
-            num_decode_tokens=nd,
-            decode_block_tables=decode_bt,
-            decode_context_lens=decode_lens_t,
-            prefills=prefills,
-        )
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_caches, meta)
-        if prompt_spans:
-            self._prompt_logprobs(hidden, prompt_spans)
-        rows = [r for seq, _ in scheduled if seq.seq_id in sample_rows for r in sample_rows[seq.seq_id]]
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=dev, dtype=torch.long)])
+        return AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_decode_tokens=nd,
+                                 decode_block_tables=decode_bt, decode_context_lens=decode_lens_t,
+                                 prefills=prefills, window=window)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
         """Reduce each prompt row to (logprob of the next prompt token, rank, top-n) right after

@@ -19,6 +19,8 @@ from tokenmill.cpu_extension import load_cpu_extension
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.cpu_kernels import dense_small_m_kernels
 from tokenmill.model.layers import Linear
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.quant.kv_cache import KVCache
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cpp"
 
@@ -43,10 +45,12 @@ class DecodeStack:
 
     @classmethod
     def build(cls, model: nn.Module) -> "DecodeStack | None":
-        """For a Llama-family model on CPU whose every linear can join, else None."""
+        """For a Llama-family model (full attention, no q/k norm) on CPU whose every linear can
+        join, else None."""
         ext = decode_stack_kernels()
         dtype = model.norm.weight.dtype
-        if ext is None or model.norm.weight.device.type != "cpu":
+        if (ext is None or model.norm.weight.device.type != "cpu" or type(model) is not LlamaForCausalLM
+                or model.cfg.sliding_window is not None or model.layers[0].self_attn.q_norm is not None):
             return None
         eps = model.layers[0].input_layernorm.eps
         if model.rope.cos.dtype != torch.float32 or any(
@@ -64,14 +68,15 @@ class DecodeStack:
                                  model.rope.cos, model.rope.sin)
         return cls(stack, dtype)
 
-    def applies(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> bool:
+    def applies(self, x: torch.Tensor, kv_caches: list[KVCache],
+                metas: list[AttentionMetadata]) -> bool:
         """A pure-decode step (no prefill chunk) with rows the stack's kernels take, no autograd,
-        a K/V cache in the model's dtype."""
-        return (not meta.prefills and meta.num_decode_tokens == x.shape[0] <= self.max_rows
-                and not torch.is_grad_enabled() and kv_caches[0][0].dtype == self.dtype)
+        a float K/V cache in the model's dtype, one KV group."""
+        meta = metas[0]
+        return (not meta.prefills and all(m is meta for m in metas) and meta.num_decode_tokens == x.shape[0] <= self.max_rows
+                and not torch.is_grad_enabled() and kv_caches[0].k.dtype == self.dtype and kv_caches[0].k_scale is None)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                  meta: AttentionMetadata) -> torch.Tensor:
-        return self._stack.decode(x, positions, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+        return self._stack.decode(x, positions, [c.k for c in kv_caches], [c.v for c in kv_caches],
                                   meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)

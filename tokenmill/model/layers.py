@@ -67,3 +67,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -5,6 +5,8 @@ and GPU both like. `load_hf_state_dict` maps HF tensor names onto the fused layo
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -12,38 +14,46 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.layers import Linear, RMSNorm, silu_and_mul
 from tokenmill.model.rope import RotaryEmbedding
+from tokenmill.quant.kv_cache import KVCache
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, qk_norm: bool = False) -> None:
+        """qk_norm: RMSNorm over each head's q and k before rope (Gemma 3, Qwen 3)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:     # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -63,13 +73,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The decoder stack; subclasses (gemma3.py) change the layer, the embedding and the ropes."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding.for_model(cfg, max_positions)
+        self.reset_rope(max_positions)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -77,15 +89,28 @@ class LlamaForCausalLM(nn.Module):
         # runner once the weights are final, None = the eager layers below
         self.decode_stack = None
 
+    def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(cfg)
+
+    def reset_rope(self, max_positions: int, device: torch.device | None = None) -> None:
+        """(Re)build the cos/sin tables (they are buffers, lost when built on the meta device);
+        `layer_ropes[i]` is layer i's."""
+        self.rope = RotaryEmbedding.for_model(self.cfg, max_positions).to(device)
+        self.layer_ropes = [self.rope] * self.cfg.num_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids).float()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], metas: list[AttentionMetadata]) -> torch.Tensor:
         """Returns the final hidden states [T, hidden] in the model dtype; call `compute_logits`
-        on the rows that sample."""
-        x = self.embed_tokens(input_ids).float()
-        if self.decode_stack is not None and self.decode_stack.applies(x, kv_caches, meta):
-            return self.norm(self.decode_stack(x, positions, kv_caches, meta))
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta)
+        on the rows that sample. `metas[i]` is layer i's attention metadata (layers of one KV
+        group share the object)."""
+        x = self.embed(input_ids)
+        if self.decode_stack is not None and self.decode_stack.applies(x, kv_caches, metas):
+            return self.norm(self.decode_stack(x, positions, kv_caches, metas[0]))
+        for layer, rope, kv, meta in zip(self.layers, self.layer_ropes, kv_caches, metas):
+            x = layer(x, positions, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

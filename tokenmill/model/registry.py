@@ -35,10 +35,14 @@ ARCHITECTURES = (
                  "SmolLM2-135M GGUF greedy parity (tests/test_parity_smollm2.py)"),
     Architecture("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), "qwen2",
                  "q/k/v bias, GQA, tied or untied head, rope scaling as Llama (Qwen2.5 yarn); "
-                 "use_sliding_window only while max_model_len <= sliding_window",
+                 "sliding window (use_sliding_window / max_window_layers / layer_types)",
                  "tests/test_config_parity.py; Qwen2 GGUF loader tests (tests/test_loader.py)"),
+    Architecture("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), "gemma3",
+                 "GGUF only: sliding-window local layers (every sixth layer global) with their own rope base "
+                 "and KV group, q/k norm, (1 + w) norms, GELU-tanh, query_pre_attn_scalar",
+                 "Gemma 3 270M GGUF greedy parity (tests/test_parity_gemma3.py)"),
     Architecture("llama", ("mistral",), ("MistralForCausalLM",), None,
-                 "Llama math; sliding_window only while max_model_len <= sliding_window",
+                 "Llama math, sliding window on every layer",
                  "tests/test_config_parity.py"),
 )
 
@@ -173,28 +177,37 @@ def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise _refuse(key, rope, str(exc)) from None
 
 
-def sliding_window_from_hf(cfg: dict[str, Any], arch: Architecture) -> int | None:
-    """The window the checkpoint applies on at least one layer, or None for full attention."""
+def sliding_window_from_hf(cfg: dict[str, Any], arch: Architecture) -> tuple[int | None, list[str] | None]:
+    """(window, layer types): the window some layer attends through (None: full attention
+    everywhere) and which layers do (None: all of them)."""
     window = cfg.get("sliding_window")
     if window is None:
-        return None
+        return None, None
     if "mistral" in arch.model_types:
-        return int(window)
-    if "qwen2" in arch.model_types:
-        layer_types = cfg.get("layer_types")
-        if layer_types is not None:
-            unknown = set(layer_types) - {"full_attention", "sliding_attention"}
-            if unknown:
-                raise _refuse("layer_types", sorted(unknown), "full_attention, sliding_attention")
-            return int(window) if "sliding_attention" in layer_types else None
-        if cfg.get("use_sliding_window") and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]:
-            return int(window)
-        return None
-    return int(window)
+        return int(window), None
+    if "qwen2" not in arch.model_types:
+        raise _refuse("sliding_window", window, "null: transformers' Llama attends to the whole context")
+    # Qwen2 (as transformers): the window counts only with use_sliding_window, on the layers
+    # explicit layer_types name, else on layers >= max_window_layers
+    if not cfg.get("use_sliding_window"):
+        return None, None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = cfg.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(cfg["num_hidden_layers"])]
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise _refuse("layer_types", sorted(unknown), "full_attention, sliding_attention")
+    if "sliding_attention" not in layer_types:
+        return None, None
+    return int(window), list(layer_types)
 
 
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     arch = architecture_for(cfg)
+    if arch.name == "gemma3":
+        raise UnsupportedConfig("Gemma 3 loads from GGUF only (its HF config.json keys are not mapped yet)")
     check_hf_keys(cfg)
     act = cfg.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
@@ -203,6 +216,7 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     qwen2 = arch.name == "qwen2"
+    window, layer_types = sliding_window_from_hf(cfg, arch)
     return ModelConfig(
         architecture=arch.name,
         vocab_size=cfg["vocab_size"],
@@ -221,7 +235,8 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         attention_bias=qwen2 or bool(cfg.get("attention_bias", False)),
         o_proj_bias=not qwen2 and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        sliding_window=sliding_window_from_hf(cfg, arch),
+        sliding_window=window,
+        layer_types=layer_types,
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
     )
 
@@ -242,6 +257,8 @@ GGUF_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json that `model_config_from_hf` reads back as `cfg` (for a quantized
     checkpoint of a GGUF model). What HF's layout cannot say is refused by name."""
+    if cfg.architecture not in ("llama", "qwen2"):
+        raise UnsupportedConfig(f"tokenmill writes no HF config.json for {cfg.architecture} models yet")
     if cfg.rope_scaling is not None and cfg.rope_scaling.freq_factors is not None:
         raise UnsupportedConfig("GGUF rope_freqs (per-frequency rope factors) have no HF config.json form")
     qwen2 = cfg.architecture == "qwen2"
@@ -268,8 +285,12 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
                                and (v := getattr(s, k, None)) is not None}}
     if cfg.sliding_window is not None:
         out["sliding_window"] = cfg.sliding_window
+        if not qwen2:    # Llama math with a window on every layer is Mistral
+            out.update(architectures=["MistralForCausalLM"], model_type="mistral")
         if qwen2:
             out.update(use_sliding_window=True, max_window_layers=0)
+        if cfg.layer_types is not None:
+            out["layer_types"] = list(cfg.layer_types)
     if cfg.eos_token_ids:
         out["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
     return out

@@ -50,6 +50,7 @@ from tokenmill.quant.gptq import HessianAccumulator, gptq_quantize
 from tokenmill.quant.group import GroupQuant
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
+from tokenmill.quant.kv_cache import KVCache
 
 CALIBRATED_METHODS = ("gptq", "awq", "smoothquant")
 # execution order inside one decoder layer
@@ -139,7 +140,7 @@ class _Calibrator:
         cfg = model.cfg
         biggest = max(sum(map(len, g)) for g, _, _ in self.batches)
         shape = (1, biggest, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (torch.zeros(shape), torch.zeros(shape))
+        self.kv = KVCache(torch.zeros(shape), torch.zeros(shape))
         with torch.no_grad():
             self.hidden = [model.embed_tokens(torch.tensor([t for s in g for t in s])).float()
                            for g, _, _ in self.batches]
@@ -285,6 +286,9 @@ def quantize_calibrated(model: nn.Module, sequences: list[list[int]], qcfg: Quan
     the float projections (the float function must not change: a test hook)."""
     if qcfg.method not in CALIBRATED_METHODS:
         raise ValueError(f"{qcfg.method} needs no calibration; use quant.apply.quantize_model")
+    if model.cfg.architecture not in ("llama", "qwen2"):
+        # the calibrator replays Llama's layer (one rope, plain embeddings, two norms per block)
+        raise ValueError(f"{qcfg.method} calibration supports llama and qwen2 models, not {model.cfg.architecture}")
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("calibration needs at least one non-empty sequence")
     _Calibrator(model, sequences, qcfg, max_batch_tokens, awq_max_rows).run(progress, fold_only)

@@ -15,7 +15,6 @@ import logging
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.hub import resolve_model
@@ -60,7 +59,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(draft_config, model_cfg, weights, device, dtype, max_model_len,
                                   checkpoint_quant=checkpoint_quant_config(path))
         del weights
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)
+        self.block_manager = self.runner.make_block_manager(enable_prefix_caching=False)
         self.sampler = sampler
         self.shadows: dict[int, Sequence] = {}
         log.info("speculative draft %s (%s, %d layers): KV cache %d blocks", spec.model, model_cfg.architecture,

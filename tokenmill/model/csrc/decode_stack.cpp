@@ -114,7 +114,7 @@ class DecoderStack {
       fused::rope_(q, k, positions, cos_, sin_);
       fused::write_kv_(k, v, k_caches[i], v_caches[i], slots);
       const torch::Tensor o = attention::paged_decode_attention(q, k_caches[i], v_caches[i], block_tables,
-                                                                context_lens, scale_);
+                                                                context_lens, scale_, /*window=*/0);
       std::vector<torch::Tensor> sum_norm = fused::add_rms_norm(x, l.o(o.view({T, q_size})), l.post_attention_norm, eps_);
       x = at::add(sum_norm[0], l.down(fused::silu_and_mul(l.gate_up(sum_norm[1]))));
     }

@@ -26,14 +26,18 @@ inline float to_float<at::BFloat16>(at::BFloat16 x) {
   return f;
 }
 
-// Calls visit(t, row) for the context's tokens t = 0..len-1 in order, row pointing at token
-// t's K (or V) row; walks block by block, so no division per token.
+// Calls visit(t - first, row, slot) for the context's tokens t = first..len-1 in order, row pointing
+// at token t's K (or V) row, slot its cache slot (block * block_size + offset: the index of its
+// scales); walks block by block, so no division per token. Blocks before `first` (outside a
+// sliding window; their table entries may name freed blocks) are never read.
 template <typename T, typename F>
-static inline void for_each_row(const T* cache, const int32_t* table, int64_t len, int64_t block_size,
-                                int64_t row_len, F&& visit) {
-  for (int64_t b = 0, t = 0; t < len; ++b) {
-    const T* block = cache + static_cast<int64_t>(table[b]) * block_size * row_len;
-    for (int64_t i = 0; i < block_size && t < len; ++i, ++t) visit(t, block + i * row_len);
+static inline void for_each_row(const T* cache, const int32_t* table, int64_t first, int64_t len,
+                                int64_t block_size, int64_t row_len, F&& visit) {
+  for (int64_t b = first / block_size, t = first; t < len; ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * block_size;
+    const T* block = cache + base * row_len;
+    for (int64_t i = t % block_size; i < block_size && t < len; ++i, ++t)
+      visit(t - first, block + i * row_len, base + i);
   }
 }
 
@@ -70,20 +74,23 @@ static inline void softmax_(float* sh, int64_t len) {
 }
 
 // One sequence, KV heads [h0, h1): query heads h0 * group .. h1 * group - 1, qs [(h1 - h0) * group,
-// D] (already scaled), attend to the context's K/V rows of their KV head; out acc [same shape].
-// scores: [(h1 - h0) * group, len] scratch.
+// D] (already scaled), attend to the K/V rows of their KV head at context positions [first, end);
+// out acc [same shape]. scores: [(h1 - h0) * group, end - first] scratch. k_scale / v_scale: the
+// fp32 scale of each (slot, KV head) of quantized codes (int8 / fp8), or nullptr for float caches.
 template <typename T>
-static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
-                         int64_t block_size, int64_t row_len, int64_t h0, int64_t h1, int64_t group, int64_t D,
-                         float* scores, float* acc) {
+static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, const float* k_scale,
+                         const float* v_scale, const int32_t* table, int64_t first, int64_t end, int64_t block_size,
+                         int64_t row_len, int64_t h0, int64_t h1, int64_t group, int64_t D, float* scores, float* acc) {
   const int64_t heads = (h1 - h0) * group;
+  const int64_t len = end - first;
+  const int64_t Hk = row_len / D;
 #if defined(__AVX512F__)
-  constexpr bool vector_dtype = !std::is_same_v<T, double>;
+  constexpr bool vector_dtype = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
   const int64_t nv = D / 16;
-  if constexpr (vector_dtype) if (D % 16 == 0 && heads * nv <= MAX_VECS) {
+  if constexpr (vector_dtype) if (D % 16 == 0 && heads * nv <= MAX_VECS && k_scale == nullptr) {
     __m512 qv[MAX_VECS], av[MAX_VECS];
     for (int64_t i = 0; i < heads * nv; ++i) qv[i] = _mm512_loadu_ps(qs + 16 * i);
-    for_each_row(k_cache, table, len, block_size, row_len, [&](int64_t t, const T* krow) {
+    for_each_row(k_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* krow, int64_t) {
       for (int64_t hq = 0; hq < heads; ++hq) {
         const T* kh = krow + (h0 + hq / group) * D;
         __m512 dot = _mm512_mul_ps(qv[hq * nv], load16(kh));
@@ -93,7 +100,7 @@ static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, co
     });
     for (int64_t hq = 0; hq < heads; ++hq) softmax_(scores + hq * len, len);
     for (int64_t i = 0; i < heads * nv; ++i) av[i] = _mm512_setzero_ps();
-    for_each_row(v_cache, table, len, block_size, row_len, [&](int64_t t, const T* vrow) {
+    for_each_row(v_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* vrow, int64_t) {
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t j = 0; j < nv; ++j) {
           const __m512 v = load16(vrow + h * D + 16 * j);
@@ -105,22 +112,24 @@ static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, co
     return;
   }
 #endif
-  for_each_row(k_cache, table, len, block_size, row_len, [&](int64_t t, const T* krow) {
+  for_each_row(k_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* krow, int64_t slot) {
     for (int64_t hq = 0; hq < heads; ++hq) {
+      const int64_t h = h0 + hq / group;
       const float* qh = qs + hq * D;
-      const T* kh = krow + (h0 + hq / group) * D;
+      const T* kh = krow + h * D;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
-      scores[hq * len + t] = dot;
+      scores[hq * len + t] = k_scale == nullptr ? dot : dot * k_scale[slot * Hk + h];
     }
   });
   for (int64_t hq = 0; hq < heads; ++hq) softmax_(scores + hq * len, len);
   std::fill(acc, acc + heads * D, 0.f);
-  for_each_row(v_cache, table, len, block_size, row_len, [&](int64_t t, const T* vrow) {
+  for_each_row(v_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* vrow, int64_t slot) {
     for (int64_t hq = 0; hq < heads; ++hq) {
-      const float p = scores[hq * len + t];
-      const T* vh = vrow + (h0 + hq / group) * D;
+      const int64_t h = h0 + hq / group;
+      const float p = v_scale == nullptr ? scores[hq * len + t] : scores[hq * len + t] * v_scale[slot * Hk + h];
+      const T* vh = vrow + h * D;
       float* ah = acc + hq * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
@@ -128,17 +137,20 @@ static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, co
   });
 }
 
-template <typename T>
-static void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+template <typename T, typename C>
+static void decode_attention(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
+                             const float* v_scale, const int32_t* block_tables,
                              const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             int64_t table_width, float scale) {
+                             int64_t table_width, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_dim;
   const int64_t HD = num_heads * D;
   const int64_t row_len = num_kv_heads * D;   // one token's K (or V) for all heads: contiguous
   int64_t total_len = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) total_len += context_lens[s];
+  // a sliding window (> 0) attends to the last `window` positions only
+  auto first_of = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
+  for (int64_t s = 0; s < num_seqs; ++s) total_len += context_lens[s] - first_of(context_lens[s]);
   // Work item = one sequence with all its heads (each K/V row read once, whole), or, when there
   // are too few sequences to keep the threads busy, one (sequence, KV head).
   const int64_t split = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
@@ -152,11 +164,12 @@ static void decode_attention(const T* q, const T* k_cache, const T* v_cache, con
     std::vector<float> qf(heads * D), acc(heads * D), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split, h0 = (item % split) * kv_per_item;
-      const int64_t len = context_lens[s];
+      const int64_t len = context_lens[s], first = first_of(len);
       const T* qs = q + s * HD + h0 * group * D;
-      scores.resize(heads * len);
+      scores.resize(heads * (len - first));
       for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(qs[i]) * scale;
-      attend_heads(qf.data(), k_cache, v_cache, block_tables + s * table_width, len, block_size, row_len, h0,
+      attend_heads(qf.data(), k_cache, v_cache, k_scale, v_scale, block_tables + s * table_width, first, len,
+                   block_size, row_len, h0,
                    h0 + kv_per_item, group, D, scores.data(), acc.data());
       T* o = out + s * HD + h0 * group * D;
       for (int64_t i = 0; i < heads * D; ++i) o[i] = static_cast<T>(acc[i]);
@@ -164,13 +177,19 @@ static void decode_attention(const T* q, const T* k_cache, const T* v_cache, con
   });
 }
 
-// q: [S, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hk, D]; block_tables: [S, W] int32;
-// context_lens: [S] int32. Returns [S, Hq, D] in q's dtype.
+// q: [S, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hk, D] in q's dtype, or int8 / fp8
+// codes with k_scale/v_scale [num_blocks, block_size, Hk] fp32; block_tables: [S, W] int32;
+// context_lens: [S] int32; window: attend to the last `window` positions only (0 = all).
+// Returns [S, Hq, D] in q's dtype.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t window, std::optional<torch::Tensor> k_scale = std::nullopt,
+                                     std::optional<torch::Tensor> v_scale = std::nullopt) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the KV cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
+  const bool quantized = k_scale.has_value();
+  TORCH_CHECK(quantized == v_scale.has_value(), "both scales or neither");
+  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and a float KV cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
               "block_tables and context_lens must be int32");
   q = q.contiguous();
@@ -180,11 +199,30 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hk == 0, "head shapes disagree");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_scale->scalar_type() == torch::kFloat && v_scale->scalar_type() == torch::kFloat &&
+                k_scale->is_contiguous() && v_scale->is_contiguous() && k_scale->numel() == k_cache.numel() / D &&
+                v_scale->sizes() == k_scale->sizes(), "scales must be contiguous fp32 [blocks, block_size, Hk]");
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                               block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                               out.data_ptr<scalar_t>(), S, Hq, Hk, D, bs, block_tables.size(1),
-                               static_cast<float>(scale));
+    auto run = [&](auto* k, auto* v) {
+      decode_attention(q.data_ptr<scalar_t>(), k, v, ks, vs, block_tables.data_ptr<int32_t>(),
+                       context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), S, Hq, Hk, D, bs,
+                       block_tables.size(1), static_cast<float>(scale), window);
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kChar: run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>()); break;
+      case at::kFloat8_e4m3fn:
+        run(k_cache.data_ptr<at::Float8_e4m3fn>(), v_cache.data_ptr<at::Float8_e4m3fn>()); break;
+      case at::kFloat8_e5m2: run(k_cache.data_ptr<at::Float8_e5m2>(), v_cache.data_ptr<at::Float8_e5m2>()); break;
+      default:
+        TORCH_CHECK(!quantized, "scales given for a float KV cache");
+        run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    }
   });
   return out;
 }

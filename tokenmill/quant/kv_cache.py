@@ -1,0 +1,86 @@
+"""KV-cache quantization (`--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2`).
+
+K and V are stored as 1-byte codes with one fp32 scale per (token, KV head), computed when the
+row is written: scale = absmax(row) / QMAX, code = row / scale (rounded for int8, cast for fp8).
+Per-token scales need no calibration and follow every token's own range (K rows of some heads
+reach ~100x others). The attention paths dequantize as they read: the C++ decode kernel folds
+the scale into each dot product / softmax weight, the torch paths multiply after the gather.
+
+Bytes per token and KV head: head_dim + 4 (scale) instead of 2 * head_dim for bf16.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# --kv-cache-dtype -> storage dtype; "auto" stores K/V in the model's dtype
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+SCALE_BYTES = 4
+
+
+class KVCache(NamedTuple):
+    """One layer's paged K/V: [num_blocks, block_size, Hk, D], plus [num_blocks, block_size, Hk]
+    fp32 scales when the codes are quantized (None: K/V in a float dtype)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+def token_head_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token's K (or V) for one KV head, scale included."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return head_dim * size + (SCALE_BYTES if dtype in QMAX else 0)
+
+
+def allocate(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> KVCache:
+    def scales() -> torch.Tensor | None:
+        return torch.ones(shape[:3], dtype=torch.float32, device=device) if dtype in QMAX else None
+    return KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   scales(), scales())
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [..., D] -> (codes [..., D] of dtype, fp32 scales [...])."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_(min=1e-12) / QMAX[dtype]
+    y = xf / scale.unsqueeze(-1)
+    codes = y.round_().clamp_(-127, 127).to(dtype) if dtype == torch.int8 else y.to(dtype)
+    return codes, scale
+
+
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache[table] (CPU torch has no indexing kernels for fp8: gather the bytes)."""
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return cache.view(torch.uint8)[table].view(cache.dtype)
+    return cache[table]
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Codes [..., D] and scales [...] (None: codes are floats already) -> dtype."""
+    if scale is None:
+        return codes.to(dtype)
+    return (codes.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def write_quantized(k: torch.Tensor, v: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> None:
+    """Quantize this step's K/V rows [T, Hk, D] into their cache slots."""
+    _, _, heads, dim = cache.k.shape
+    for x, codes, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        q, s = quantize(x, codes.dtype)
+        # as bytes: CPU torch has no index_copy for fp8
+        codes.view(torch.uint8).view(-1, heads, dim).index_copy_(0, slots, q.view(torch.uint8))
+        scales.view(-1, heads).index_copy_(0, slots, s)
