@@ -150,3 +150,17 @@ def test_quantized_cache_matches_dense_reference_on_its_dequantized_values(monke
             kd.view(-1, 2, 16)[fresh] = k[span.start:span.end]
             vd.view(-1, 2, 16)[fresh] = v[span.start:span.end]
     torch.testing.assert_close(out.double(), expected(q, kd, vd, seqs, 0.25, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_bf16_cache_under_an_fp32_model(monkeypatch, use_kernel):
+    """--kv-cache-dtype bfloat16 with fp32 queries: every path reads the rounded bf16 values."""
+    if use_kernel and paged_decode_kernels() is None:
+        pytest.fail("the C++ decode kernel did not compile")
+    if not use_kernel:
+        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
+    q, k, v, kc, vc, meta, seqs = make_case(torch.float32, 6, 2, lens=[1, 5, 17, 33], prefill=[(21, 6)])
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    out = paged_attention(q, k, v, KVCache(kb, vb), meta, 0.25)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected(q, kb.float(), vb.float(), seqs, 0.25), atol=1e-5, rtol=1e-5)

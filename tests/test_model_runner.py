@@ -51,3 +51,37 @@ def test_tied_embeddings_stay_tied():
     hf = tiny_hf_model("llama", tie=True)
     runner, _ = make_runner(hf)
     assert runner.model.lm_head.weight is runner.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("kv,tol", [("bfloat16", 4e-3), ("int8", 8e-3), ("fp8_e4m3", 4e-2), ("fp8_e5m2", 8e-2)])
+def test_quantized_kv_cache_tracks_the_float_logits(kv, tol):
+    """Chunked prefill and decode through a quantized KV cache stay near the float cache's
+    logits (the error bound grows with the format's coarseness), and the byte budget buys
+    the blocks its bytes per token say."""
+    hf = tiny_hf_model("llama")
+    budget, block = 1 << 20, 4
+    runs = {}
+    for name in ("auto", kv):
+        econf = EngineConfig(block_size=block, kv_cache_memory=budget, kv_cache_dtype=name)
+        runner = ModelRunner(econf, ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict(), torch.device("cpu"),
+                             torch.float32, 512)
+        cfg = runner.model_cfg
+        elem = {"auto": 4 * cfg.head_dim, "bfloat16": 2 * cfg.head_dim}.get(name, cfg.head_dim + 4)
+        assert runner.num_blocks == budget // (2 * cfg.num_layers * cfg.num_kv_heads * elem * block)
+        bm = runner.make_block_manager(False)
+        seq = Sequence("0", torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(3)).tolist(),
+                       SamplingParams(max_tokens=8))
+        assert bm.admit(seq, [], 0)
+        out = []
+        while len(out) < 8:
+            n = min(10, seq.num_tokens - seq.num_computed_tokens)
+            assert bm.grow(seq, n)
+            logits = runner.execute([(seq, n)])
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                out.append(logits[0])
+                seq.append_token(int(logits[0].argmax()) if name == "auto" else runs["auto"][1][len(out) - 1])
+        runs[name] = (torch.stack(out), seq.output_token_ids)
+    ref, got = runs["auto"][0], runs[kv][0]
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert 0 < err < tol, err

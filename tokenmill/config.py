@@ -125,7 +125,7 @@ class EngineConfig:
     num_threads: int | None = None            # CPU intra-op threads (None = torch default)
     quantization: str | None = None           # quantize at load time: int8 | rtn4 | nf4
     quantize_lm_head: bool = False            # also quantize the lm_head (off: it is small and sensitive)
-    kv_cache_dtype: str = "auto"              # auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2
+    kv_cache_dtype: str = "auto"              # auto (the model dtype) | bfloat16 | int8 | fp8_e4m3 | fp8_e5m2
     enforce_eager: bool = False               # True: always the eager layers, never the C++ decode stack
     speculative_config: Any = None            # dict / JSON text / SpeculativeConfig (tokenmill/spec/config.py)
 

@@ -5,14 +5,17 @@ import argparse
 from dataclasses import MISSING, fields
 
 from tokenmill.config import EngineConfig
+from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
+
+_CHOICES = {"kv_cache_dtype": tuple(KV_CACHE_DTYPES)}
 
 _HELP = {
     "model": "model name (see `tokenmill fetch --list`), a .gguf file or an HF directory",
     "dtype": "auto (bfloat16 on GPUs and CPUs with AVX512-BF16/AMX, else float32) | float32 | bfloat16 | float16",
     "quantization": "quantize weights at load time: int8 | rtn4 | nf4 (calibrated methods: `tokenmill quantize`)",
     "quantize_lm_head": "quantize the lm_head too",
-    "kv_cache_dtype": "K/V storage: auto (the model dtype) | int8 | fp8_e4m3 | fp8_e5m2 (1-byte codes, one fp32 "
-                      "scale per token and KV head)",
+    "kv_cache_dtype": "K/V storage: auto (the model dtype) | bfloat16 | int8 | fp8_e4m3 | fp8_e5m2 (1-byte codes, "
+                      "one fp32 scale per token and KV head)",
     "kv_cache_memory": "bytes for the KV cache (CPU default 2 GiB); accepts suffixes like 4G",
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache (CUDA only)",
     "block_size": "tokens per KV-cache block",
@@ -54,7 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
             if f.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_idle_batched_tokens",
                           "num_threads"):
                 kind = int
-            parser.add_argument(flag, type=kind, default=default, help=help_)
+            parser.add_argument(flag, type=kind, default=default, help=help_, choices=_CHOICES.get(f.name))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,4 +1,6 @@
-"""KV-cache quantization (`--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2`).
+"""KV-cache storage formats (`--kv-cache-dtype auto | bfloat16 | int8 | fp8_e4m3 | fp8_e5m2`).
+
+`bfloat16` stores K/V in bf16 whatever the model computes in (halves an fp32 model's KV bytes).
 
 K and V are stored as 1-byte codes with one fp32 scale per (token, KV head), computed when the
 row is written: scale = absmax(row) / QMAX, code = row / scale (rounded for int8, cast for fp8).
@@ -17,6 +19,7 @@ import torch
 # --kv-cache-dtype -> storage dtype; "auto" stores K/V in the model's dtype
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
+    "bfloat16": torch.bfloat16,
     "int8": torch.int8,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,

@@ -177,7 +177,7 @@ static void decode_attention(const T* q, const C* k_cache, const C* v_cache, con
   });
 }
 
-// q: [S, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hk, D] in q's dtype, or int8 / fp8
+// q: [S, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hk, D] float (any of fp32/bf16/fp16), or int8 / fp8
 // codes with k_scale/v_scale [num_blocks, block_size, Hk] fp32; block_tables: [S, W] int32;
 // context_lens: [S] int32; window: attend to the last `window` positions only (0 = all).
 // Returns [S, Hq, D] in q's dtype.
@@ -189,7 +189,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   const bool quantized = k_scale.has_value();
   TORCH_CHECK(quantized == v_scale.has_value(), "both scales or neither");
-  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and a float KV cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
               "block_tables and context_lens must be int32");
   q = q.contiguous();
@@ -219,10 +218,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       case at::kFloat8_e4m3fn:
         run(k_cache.data_ptr<at::Float8_e4m3fn>(), v_cache.data_ptr<at::Float8_e4m3fn>()); break;
       case at::kFloat8_e5m2: run(k_cache.data_ptr<at::Float8_e5m2>(), v_cache.data_ptr<at::Float8_e5m2>()); break;
-      default:
-        TORCH_CHECK(!quantized, "scales given for a float KV cache");
-        run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+      // float caches, in q's dtype or another (a bf16 cache under an fp32 model)
+      case at::kBFloat16: run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>()); break;
+      case at::kHalf: run(k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>()); break;
+      case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
+      default: TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
     }
+    TORCH_CHECK(quantized == (k_cache.element_size() == 1), "1-byte KV codes need scales, float caches none");
   });
   return out;
 }
