@@ -1,8 +1,8 @@
 """KV-cache dtype: the decode step at batch 32 and the capacity a byte budget buys.
 
 1. speed: 32 sequences with ~`--context`-token prompts, all decoding; the median engine step
-   time over `--steps` steps, repeated `--repeats` times (median of the repeats), for each
-   model dtype x KV dtype, in one run;
+   time over `--steps` steps, in `--repeats` rounds interleaved across the variants (median of
+   the rounds), for each model dtype x KV dtype, in one run;
 2. capacity: for SmolLM2 and Gemma 3 (configs read from their GGUFs), each KV dtype, and for
    Gemma 3 with and without its sliding window: KV blocks the engine's planner gives a
    `--budget` of bytes, and the max number of concurrent 2,048-token requests, next to the
@@ -31,28 +31,38 @@ from tokenmill.sampling_params import SamplingParams
 REQUEST_TOKENS = 2048
 
 
-def step_times(model: str, dtype: str, kv: str, batch: int, context: int, steps: int, repeats: int) -> float:
+def decoding_engine(model: str, dtype: str, kv: str, batch: int, context: int, steps: int, repeats: int):
+    """An engine with `batch` sequences of ~context tokens, all past their prompts."""
     from tokenmill.llm import LLM
-    llm = LLM(model=model, dtype=dtype, kv_cache_dtype=kv, max_model_len=context + steps * repeats + 64,
+    # early sequences decode while later ones prefill: room for all of it
+    budget = context * batch // 200 + steps * repeats + 64
+    llm = LLM(model=model, dtype=dtype, kv_cache_dtype=kv, max_model_len=context + budget,
               max_num_seqs=batch, kv_cache_memory=1 << 30, enable_prefix_caching=False)
     engine = llm.engine
     ids = list(range(1000, 1000 + context))
     for i in range(batch):
         engine.add_request(str(i), [ids[0] + i] + ids[1:], SamplingParams(temperature=0, ignore_eos=True,
-                                                                          max_tokens=steps * repeats + 8))
+                                                                          max_tokens=budget))
     while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running + engine.scheduler.waiting):
         engine.step()
     engine.step()
-    medians = []
+    return llm
+
+
+def step_times(engines: dict, batch: int, steps: int, repeats: int) -> dict[str, float]:
+    """Median step ms per engine: `repeats` interleaved rounds (the machine is shared and drifts),
+    each the median of `steps` steps; the median of the rounds."""
+    rounds: dict[str, list[float]] = {key: [] for key in engines}
     for _ in range(repeats):
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        assert len(engine.scheduler.running) == batch
-        medians.append(statistics.median(times))
-    return statistics.median(medians) * 1e3
+        for key, llm in engines.items():
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                llm.engine.step()
+                times.append(time.perf_counter() - t0)
+            assert len(llm.engine.scheduler.running) == batch
+            rounds[key].append(statistics.median(times))
+    return {key: statistics.median(r) * 1e3 for key, r in rounds.items()}
 
 
 def capacity_rows(budget: int, block_size: int) -> list[dict]:
@@ -63,7 +73,7 @@ def capacity_rows(budget: int, block_size: int) -> list[dict]:
         if cfg.sliding_window is not None:
             variants = [("on", cfg), ("off", dataclasses.replace(cfg, sliding_window=None, layer_types=None))]
         for window, c in variants:
-            for kv in ("bfloat16", *[k for k in KV_CACHE_DTYPES if k != "auto"]):
+            for kv in [k for k in KV_CACHE_DTYPES if k != "auto"]:
                 dt = storage_dtype("auto" if kv == "bfloat16" else kv, torch.bfloat16)
                 layer_token = 2 * c.num_kv_heads * token_head_bytes(c.head_dim, dt)
                 groups = plan_kv_groups(c, budget, block_size, layer_token * block_size, REQUEST_TOKENS, 256)
@@ -92,13 +102,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     print(machine_header(), flush=True)
+    engines = {(dtype, kv): decoding_engine(args.model, dtype, kv, args.batch, args.context, args.steps, args.repeats)
+               for dtype in args.dtypes.split(",") for kv in args.kv.split(",")}
     speed = []
-    for dtype in args.dtypes.split(","):
-        for kv in args.kv.split(","):
-            ms = step_times(args.model, dtype, kv, args.batch, args.context, args.steps, args.repeats)
-            speed.append({"dtype": dtype, "kv": kv, "step_ms": ms})
-            print(f"{args.model} {dtype:<9} KV {kv:<9} batch {args.batch} x ~{args.context} ctx: "
-                  f"decode step {ms:7.1f} ms (median of {args.repeats} x median of {args.steps})", flush=True)
+    for (dtype, kv), ms in step_times(engines, args.batch, args.steps, args.repeats).items():
+        speed.append({"dtype": dtype, "kv": kv, "step_ms": ms})
+        print(f"{args.model} {dtype:<9} KV {kv:<9} batch {args.batch} x ~{args.context} ctx: decode step "
+              f"{ms:7.1f} ms (median of {args.repeats} interleaved rounds x median of {args.steps} steps)", flush=True)
     cap = capacity_rows(args.budget, 16)
     print(f"\ncapacity under {args.budget / 2 ** 30:g} GiB, {REQUEST_TOKENS}-token requests, 16-token blocks:")
     print(f"{'model':<22} {'window':<6} {'KV':<9} {'B/token/layer':>13} {'blocks (per group)':>20} "

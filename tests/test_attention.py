@@ -164,3 +164,25 @@ def test_bf16_cache_under_an_fp32_model(monkeypatch, use_kernel):
     out = paged_attention(q, k, v, KVCache(kb, vb), meta, 0.25)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected(q, kb.float(), vb.float(), seqs, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fused_quantized_write_is_the_torch_write_bit_for_bit(dtype):
+    from tokenmill.model.cpu_kernels import fused_layer_kernels
+    from tokenmill.quant.kv_cache import write_quantized
+    ops = fused_layer_kernels()
+    if ops is None:
+        pytest.fail("the fused kernels did not compile")
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(7, 3, 2, 16, generator=g)[:, :, 0] * 5      # a strided view, as the qkv split gives
+    v = torch.randn(7, 3, 16, generator=g) * torch.logspace(-3, 3, 3)[None, :, None]
+    v[2] = 0                                                     # an all-zero row: the 1e-12 floor
+    slots = torch.tensor([0, 5, 6, 9, 17, 30, 31])
+    caches = []
+    for fused in (ops, None):
+        cache = KVCache(torch.zeros(8, 4, 3, 16, dtype=dtype), torch.zeros(8, 4, 3, 16, dtype=dtype),
+                        torch.ones(8, 4, 3), torch.ones(8, 4, 3))
+        write_quantized(k, v, cache, slots, fused)
+        caches.append(cache)
+    for a, b in zip(*caches):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b)

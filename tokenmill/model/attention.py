@@ -87,7 +87,7 @@ def paged_attention(
     if k_scale is None:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
-        write_quantized(k, v, cache, meta.slot_mapping)
+        write_quantized(k, v, cache, meta.slot_mapping, fused_cpu_ops(k))
 
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads

@@ -12,6 +12,7 @@ Bytes per token and KV head: head_dim + 4 (scale) instead of 2 * head_dim for bf
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -58,9 +59,10 @@ def allocate(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [..., D] -> (codes [..., D] of dtype, fp32 scales [...])."""
+    # multiplications by fp32 reciprocals: what the fused C++ write computes, bit for bit
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_(min=1e-12) / QMAX[dtype]
-    y = xf / scale.unsqueeze(-1)
+    scale = xf.abs().amax(dim=-1).clamp_(min=1e-12) * (1.0 / QMAX[dtype])
+    y = xf * scale.reciprocal().unsqueeze(-1)
     codes = y.round_().clamp_(-127, 127).to(dtype) if dtype == torch.int8 else y.to(dtype)
     return codes, scale
 
@@ -79,9 +81,15 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
     return (codes.float() * scale.unsqueeze(-1)).to(dtype)
 
 
-def write_quantized(k: torch.Tensor, v: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> None:
-    """Quantize this step's K/V rows [T, Hk, D] into their cache slots."""
+def write_quantized(k: torch.Tensor, v: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                    fused_ops: ModuleType | None = None) -> None:
+    """Quantize this step's K/V rows [T, Hk, D] into their cache slots (one C++ op when the
+    fused CPU kernels are given: ~10 torch ops per layer otherwise)."""
     _, _, heads, dim = cache.k.shape
+    if (fused_ops is not None and k.dtype == v.dtype == torch.float32 and slots.dtype == torch.long
+            and k.stride(-1) == 1 and v.stride(-1) == 1):
+        fused_ops.write_kv_quantized_(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, slots, QMAX[cache.k.dtype])
+        return
     for x, codes, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
         q, s = quantize(x, codes.dtype)
         # as bytes: CPU torch has no index_copy for fp8

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -25,6 +26,21 @@ inline float to_float<at::BFloat16>(at::BFloat16 x) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+// fp8 -> fp32 by table: c10's bit-twiddling conversion does not vectorize and made an fp8 cache
+// 2-4x slower to read than int8. Built when the library loads (no guard in the hot loop).
+template <typename F8>
+std::array<float, 256> fp8_table() {
+  std::array<float, 256> table{};
+  for (int i = 0; i < 256; ++i) table[i] = static_cast<float>(F8(static_cast<uint8_t>(i), F8::from_bits()));
+  return table;
+}
+inline const std::array<float, 256> kE4M3 = fp8_table<at::Float8_e4m3fn>();
+inline const std::array<float, 256> kE5M2 = fp8_table<at::Float8_e5m2>();
+template <>
+inline float to_float<at::Float8_e4m3fn>(at::Float8_e4m3fn x) { return kE4M3[x.x]; }
+template <>
+inline float to_float<at::Float8_e5m2>(at::Float8_e5m2 x) { return kE5M2[x.x]; }
 
 // Calls visit(t - first, row, slot) for the context's tokens t = first..len-1 in order, row pointing
 // at token t's K (or V) row, slot its cache slot (block * block_size + offset: the index of its
