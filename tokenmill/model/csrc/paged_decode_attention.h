@@ -128,27 +128,43 @@ static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, co
     return;
   }
 #endif
+  // A KV head's row is converted to fp32 once and used by all `group` query heads that share it
+  // (bf16 / int8 / fp8 caches; an fp32 row is used in place).
+  std::vector<float> conv(std::is_same_v<T, float> ? 0 : D);
+  auto as_float = [&](const T* src) -> const float* {
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) conv[d] = to_float(src[d]);
+      return conv.data();
+    }
+  };
   for_each_row(k_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* krow, int64_t slot) {
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      const int64_t h = h0 + hq / group;
-      const float* qh = qs + hq * D;
-      const T* kh = krow + h * D;
-      float dot = 0.f;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* kh = as_float(krow + h * D);
+      const float ks = k_scale == nullptr ? 1.f : k_scale[slot * Hk + h];
+      for (int64_t hq = (h - h0) * group; hq < (h - h0 + 1) * group; ++hq) {
+        const float* qh = qs + hq * D;
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(kh[d]);
-      scores[hq * len + t] = k_scale == nullptr ? dot : dot * k_scale[slot * Hk + h];
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+        scores[hq * len + t] = dot * ks;
+      }
     }
   });
   for (int64_t hq = 0; hq < heads; ++hq) softmax_(scores + hq * len, len);
   std::fill(acc, acc + heads * D, 0.f);
   for_each_row(v_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* vrow, int64_t slot) {
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      const int64_t h = h0 + hq / group;
-      const float p = v_scale == nullptr ? scores[hq * len + t] : scores[hq * len + t] * v_scale[slot * Hk + h];
-      const T* vh = vrow + h * D;
-      float* ah = acc + hq * D;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* vh = as_float(vrow + h * D);
+      const float vs = v_scale == nullptr ? 1.f : v_scale[slot * Hk + h];
+      for (int64_t hq = (h - h0) * group; hq < (h - h0 + 1) * group; ++hq) {
+        const float p = scores[hq * len + t] * vs;
+        float* ah = acc + hq * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ah[d] += p * to_float(vh[d]);
+        for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
+      }
     }
   });
 }
