@@ -54,6 +54,16 @@ def make_case(dtype, hq, hk, lens, prefill=(), bs=4, d=16, seed=0, window=None):
     return q, k, v, k_cache, v_cache, meta, seqs
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch) -> str:
+    """Decode rows through the C++ kernel, or through the torch fallback."""
+    if request.param == "kernel" and paged_decode_kernels() is None:
+        pytest.fail("the C++ decode kernel did not compile")
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
+    return request.param
+
+
 def expected(q, k_cache, v_cache, seqs, scale, window=None):
     """Dense reference computed after the cache write (paged_attention writes first)."""
     outs, row = [], 0
@@ -67,15 +77,10 @@ def expected(q, k_cache, v_cache, seqs, scale, window=None):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hk", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("prefill", [[(9, 9), (21, 6)], []], ids=["mixed", "decode-only"])
-def test_paged_attention_matches_dense_reference(monkeypatch, use_kernel, dtype, tol, hq, hk, prefill):
-    if use_kernel and paged_decode_kernels() is None:
-        pytest.fail("the C++ decode kernel did not compile")
-    if not use_kernel:
-        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
+def test_paged_attention_matches_dense_reference(decode_path, dtype, tol, hq, hk, prefill):
     q, k, v, kc, vc, meta, seqs = make_case(dtype, hq, hk, lens=[1, 5, 17, 33], prefill=prefill)
     scale = 0.25
     out = paged_attention(q, k, v, KVCache(kc, vc), meta, scale)
@@ -100,15 +105,10 @@ def test_decode_kernel_shapes_match_dense_reference(dtype, tol, hq, hk, d, lens)
     torch.testing.assert_close(out.double(), expected(q, kc, vc, seqs, d ** -0.5), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("window", [1, 5, 8, 40])
-def test_sliding_window_matches_dense_reference(monkeypatch, use_kernel, window):
+def test_sliding_window_matches_dense_reference(decode_path, window):
     """Decode rows and prefill spans (whole and chunked) attend to the last `window` keys only;
-    the blocks before the window are never needed (they are zeroed-out garbage here: NaN)."""
-    if use_kernel and paged_decode_kernels() is None:
-        pytest.fail("the C++ decode kernel did not compile")
-    if not use_kernel:
-        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
+    keys before the window hold values that must not count."""
     q, k, v, kc, vc, meta, seqs = make_case(torch.float32, 6, 2, lens=[1, 5, 17, 33], prefill=[(9, 9), (21, 6)],
                                             window=window)
     out = paged_attention(q, k, v, KVCache(kc, vc), meta, 0.25)
@@ -130,16 +130,11 @@ def test_kv_quantization_error_bound(dtype, rel, floor):
     assert (err <= bound).all()
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("window", [None, 8])
-def test_quantized_cache_matches_dense_reference_on_its_dequantized_values(monkeypatch, use_kernel, dtype, window):
+def test_quantized_cache_matches_dense_reference_on_its_dequantized_values(decode_path, dtype, window):
     """Written rows are quantized, and every path reads exactly the dequantized codes; a prefill
     of a whole prompt attends with its fresh (unquantized) K/V, as vLLM's does."""
-    if use_kernel and paged_decode_kernels() is None:
-        pytest.fail("the C++ decode kernel did not compile")
-    if not use_kernel:
-        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
     q, k, v, kc, vc, meta, seqs = make_case(torch.float32, 6, 2, lens=[1, 5, 17, 33], prefill=[(9, 9), (21, 6)],
                                             window=window)
     (ck, sk), (cv, sv) = quantize(kc, dtype), quantize(vc, dtype)
@@ -157,13 +152,8 @@ def test_quantized_cache_matches_dense_reference_on_its_dequantized_values(monke
     torch.testing.assert_close(out.double(), expected(q, kd, vd, seqs, 0.25, window), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
-def test_bf16_cache_under_an_fp32_model(monkeypatch, use_kernel):
+def test_bf16_cache_under_an_fp32_model(decode_path):
     """--kv-cache-dtype bfloat16 with fp32 queries: every path reads the rounded bf16 values."""
-    if use_kernel and paged_decode_kernels() is None:
-        pytest.fail("the C++ decode kernel did not compile")
-    if not use_kernel:
-        monkeypatch.setattr(attention, "paged_decode_kernels", lambda: None)
     q, k, v, kc, vc, meta, seqs = make_case(torch.float32, 6, 2, lens=[1, 5, 17, 33], prefill=[(21, 6)])
     kb, vb = kc.bfloat16(), vc.bfloat16()
     out = paged_attention(q, k, v, KVCache(kb, vb), meta, 0.25)
