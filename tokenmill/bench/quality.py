@@ -98,8 +98,9 @@ def perplexity(llm: Any, chunks: list[list[int]]) -> tuple[float, float, int]:
 
 
 def agreement_prompts(tokenizer: Any, held_out: list[Conversation], n: int, seed: int) -> list[list[int]]:
-    """First user turns with the chat template applied; prompts over 256 tokens are skipped
-    (cutting one would drop the generation prompt at its end)."""
+    """First user turns with the chat template applied (the plain text for a base model without
+    one, e.g. Gemma 3 270M); prompts over 256 tokens are skipped (cutting one would drop the
+    generation prompt at its end)."""
     order = list(range(len(held_out)))
     random.Random(seed + 1).shuffle(order)
     out: list[list[int]] = []
@@ -107,8 +108,11 @@ def agreement_prompts(tokenizer: Any, held_out: list[Conversation], n: int, seed
         turns = held_out[idx].turns
         if not turns or turns[0][0] != "human" or not turns[0][1].strip():
             continue
-        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": turns[0][1]}], tokenize=True,
-                                                 add_generation_prompt=True, return_dict=False))
+        if getattr(tokenizer, "chat_template", None):
+            ids = list(tokenizer.apply_chat_template([{"role": "user", "content": turns[0][1]}], tokenize=True,
+                                                     add_generation_prompt=True, return_dict=False))
+        else:
+            ids = list(tokenizer(turns[0][1])["input_ids"])
         if len(ids) <= MAX_AGREE_PROMPT_TOKENS:
             out.append(ids)
             if len(out) == n:
