@@ -50,7 +50,8 @@ class FakeEngine:
         self.blocks_used = len(self.requests)
         self.block_manager.usage = self.blocks_used / self.num_blocks
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None):
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None,
+                    lora_request=None):
         if not prompt:
             raise ValueError("prompt is empty")
         self.requests[request_id] = _Req(request_id, list(prompt), params)

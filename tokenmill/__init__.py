@@ -11,7 +11,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
 
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 
@@ -20,6 +20,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from tokenmill.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from tokenmill.lora.request import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from tokenmill import outputs
         return getattr(outputs, name)

@@ -128,6 +128,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"              # auto (the model dtype) | bfloat16 | int8 | fp8_e4m3 | fp8_e5m2
     enforce_eager: bool = False               # True: always the eager layers, never the C++ decode stack
     speculative_config: Any = None            # dict / JSON text / SpeculativeConfig (tokenmill/spec/config.py)
+    enable_lora: bool = False                 # serve LoRA adapters (tokenmill/lora/)
+    lora_modules: Any = None                  # ["name=path", ...] or {name: path}: adapters served by name
+    max_loras: int = 4                        # distinct adapters in one batch
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None          # adapters kept loaded (LRU); None: max_loras
+    lora_dir: str | None = None               # runtime load_lora_adapter paths must lie inside it
 
     def resolve_max_num_seqs(self, device: torch.device) -> int:
         if self.max_num_seqs is None:

@@ -26,6 +26,12 @@ _HELP = {
     "speculative_config": 'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", '
                           '"model": "...", "num_speculative_tokens": 4}; optional "disable_by_batch_size"',
+    "enable_lora": "serve LoRA adapters: requests pick one by name in `model` (tokenmill/lora/)",
+    "lora_modules": "adapters served by name: name=path ... (PEFT directories)",
+    "max_loras": "distinct adapters that may run in one batch",
+    "max_lora_rank": "largest adapter rank accepted",
+    "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted (default: max_loras)",
+    "lora_dir": "enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters inside this directory",
     "max_num_seqs": "most sequences in a step (default: 12 on CPU, sized for TPOT P95 < 40 ms; 256 on GPU)",
     "max_num_batched_tokens": "token budget of a step, prefill chunks included (default: 256 on CPU, "
                               "bounding the inter-token stall a prefill causes; 2048 on GPU)",
@@ -50,12 +56,14 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
             parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        elif f.name == "lora_modules":
+            parser.add_argument(flag, nargs="+", default=None, metavar="NAME=PATH", help=help_)
         elif f.name == "kv_cache_memory":
             parser.add_argument(flag, type=parse_bytes, default=default, help=help_)
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if f.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_idle_batched_tokens",
-                          "num_threads"):
+                          "num_threads", "max_cpu_loras"):
                 kind = int
             parser.add_argument(flag, type=kind, default=default, help=help_, choices=_CHOICES.get(f.name))
 

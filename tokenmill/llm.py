@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -31,8 +32,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """Run all prompts to completion with continuous batching; outputs in input order."""
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs in input order.
+        `lora_request`: one adapter for every prompt, or one (or None: the base) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -40,12 +43,16 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError("need one lora_request per prompt")
         order: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
             if isinstance(prompt, dict):
                 prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, lora_request=loras[i])
             order[rid] = i
         return self._run(order, use_tqdm)
 

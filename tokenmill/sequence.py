@@ -5,10 +5,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.lora.adapter import LoRAAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +55,7 @@ class Sequence:
     # speculative drafts to verify this step, after the last token (never part of token_ids)
     spec_token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None         # extra prefix-cache key: requests only share with same salt
+    lora: LoRAAdapter | None = None       # the adapter this sequence runs with (None: the base model)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
@@ -75,6 +80,14 @@ class Sequence:
     def block_table(self) -> list[int]:
         """The first KV group's block table (the only one of a full-attention model)."""
         return self.block_tables[0]
+
+    @property
+    def prefix_cache_key(self) -> str | None:
+        """What besides the tokens decides a block's K/V: the salt, and the adapter's weights
+        (its content hash, so a changed adapter under the same name never hits old blocks)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}|lora:{self.lora.content_hash}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import EngineMetrics, EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class _Add:
     priority: int
     arrival_time: float
     cache_salt: str | None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -141,7 +143,8 @@ class AsyncLLMEngine:
 
     # ---- requests (loop thread) --------------------------------------------------------------
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-               arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
+               arrival_time: float | None = None, cache_salt: str | None = None,
+               lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and return its stream. Raises QueueFullError / EngineDeadError now;
         prompt errors the engine finds (ValueError) come out of the stream."""
         if not self.is_alive:
@@ -155,7 +158,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._queued.add(request_id)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._post(_Add(request_id, prompt, params, priority, arrival, cache_salt))
+        self._post(_Add(request_id, prompt, params, priority, arrival, cache_salt, lora_request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -238,7 +241,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 self.engine.add_request(op.request_id, op.prompt, op.params, priority=op.priority,
-                                        arrival_time=op.arrival_time, cache_salt=op.cache_salt)
+                                        arrival_time=op.arrival_time, cache_salt=op.cache_salt,
+                                        lora_request=op.lora_request)
             except Exception as exc:     # bad prompt for this request only
                 errors[op.request_id] = exc if isinstance(exc, ValueError) else RequestFailedError(str(exc))
         if errors:

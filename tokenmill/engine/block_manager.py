@@ -76,7 +76,8 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), seq.cache_salt))
+            seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+                                                seq.prefix_cache_key))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq. At least one token is always

@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,8 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.hub import resolve_model
+from tokenmill.lora.manager import parse_lora_modules
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.loader import (checkpoint_quant_config, gguf_reader, load_model_weights, load_tokenizer,
                                     read_model_config)
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -66,12 +69,23 @@ class LLMEngine:
         del weights
         gguf_reader.cache_clear()        # start-up only: its parsed metadata is large
         self.runner.check_holds_max_model_len()
+        self.lora = self.runner.lora
+        if self.lora is not None:
+            if config.speculative_config:
+                raise ValueError("enable_lora with speculative_config is not supported: the draft has no adapters")
+            for name, adapter_path in parse_lora_modules(config.lora_modules).items():
+                self.lora.add(name, adapter_path)
+        elif config.lora_modules or config.lora_dir:
+            raise ValueError("lora_modules and lora_dir need enable_lora")
+        if config.lora_dir is not None and not Path(config.lora_dir).is_dir():
+            raise ValueError(f"lora_dir {config.lora_dir!r} is not a directory")
         self.max_num_seqs = config.resolve_max_num_seqs(self.device)
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.device, self.max_model_len)
         self.block_manager = self.runner.make_block_manager(config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
-                                   config.resolve_max_idle_batched_tokens(self.device, self.max_model_len))
+                                   config.resolve_max_idle_batched_tokens(self.device, self.max_model_len),
+                                   max_loras=config.max_loras if self.lora is not None else None)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids=self.eos_token_ids, seed=config.seed)
         self.spec = build_speculative_decoder(config, self.sampler, model_cfg, self.device, self.dtype,
@@ -93,8 +107,10 @@ class LLMEngine:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
-        """Queue a request. Raises ValueError for a prompt the engine cannot serve."""
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
+        """Queue a request (on `lora_request`'s adapter when given). Raises ValueError for a
+        prompt or adapter the engine cannot serve."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         if isinstance(prompt, str):
@@ -109,11 +125,16 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; this model's maximum context length is "
                              f"{self.max_model_len} tokens and at least 1 must be left for output")
+        adapter = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+            adapter = self.lora.acquire(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
             seq = Sequence(f"{request_id}-{i}", ids, params, arrival_time=arrival, priority=priority,
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, lora=adapter)
             if params.seed is not None and i:
                 seq.generator = torch.Generator().manual_seed(params.seed + i)
             seqs.append(seq)

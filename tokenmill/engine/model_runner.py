@@ -14,6 +14,7 @@ from tokenmill.model import causal_lm_class
 from tokenmill.model.attention import AttentionMetadata, PrefillSpan
 from tokenmill.model.decode_stack import DecodeStack
 from tokenmill.engine.sampler import gather_logprobs
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.model.llama import hf_module_sources, hf_row_sizes
 from tokenmill.quant.checkpoint import load_quantized_linears
 from tokenmill.quant.apply import quantize_model, weight_bytes
@@ -81,7 +82,11 @@ class ModelRunner:
                      self.weight_bytes / 1e6, str(dtype).removeprefix("torch."), self.float_weight_bytes / 1e6)
         self.model = model.eval()
         if not config.enforce_eager:
-            model.decode_stack = DecodeStack.build(model)
+            model.decode_stack = DecodeStack.build(model)      # of the base weights
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(model, model_cfg, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras, dtype, device)
         self.max_model_len = max_model_len
         # the longest chunk a step may compute for one sequence (a window group must hold it)
         self.max_chunk = config.resolve_max_idle_batched_tokens(device, max_model_len)
@@ -152,11 +157,14 @@ class ModelRunner:
         to `seq.prompt_logprobs` (only those rows, and the sampling rows, reach the lm_head)."""
         # decode rows go first so they share one batched attention call. A sequence verifying
         # speculative drafts is decode rows too: its K/V rows are written before attention reads,
-        # so query i attending to the first start + i + 1 positions is exactly its causal view
+        # so query i attending to the first start + i + 1 positions is exactly its causal view.
+        # Within decode and prefill rows, the rows of one LoRA adapter are contiguous
         def as_decode(seq: Sequence, n: int) -> bool:
             k = len(seq.spec_token_ids)
             return n == 1 or (k > 0 and seq.num_computed_tokens + n - k == seq.num_tokens)
-        order = sorted(scheduled, key=lambda item: not as_decode(*item))
+        def row_order(item: tuple[Sequence, int]) -> tuple[bool, int]:
+            return not as_decode(*item), 0 if item[0].lora is None else id(item[0].lora)
+        order = sorted(scheduled, key=row_order)
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[_Rows] = []
@@ -185,6 +193,8 @@ class ModelRunner:
                 if first < stop:
                     prompt_spans.append((seq, base + first - start, first, stop - first))
         dev = self.device
+        if self.lora is not None:
+            self.lora.prepare([(r.seq.lora, r.first_row, r.first_row + r.end - r.start) for r in rows])
         group_metas = [self._group_metadata(rows, gi, g.window) for gi, g in enumerate(self.kv_groups)]
         metas = [group_metas[gi] for gi in self.layer_group]
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),

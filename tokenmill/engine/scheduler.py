@@ -8,6 +8,8 @@ output yet: nobody streams, so no inter-token latency suffers from big prefill c
 which run faster per token. When the KV cache runs out, the lowest-priority, latest-arrived running
 sequence is preempted: its blocks are freed and it is requeued to be recomputed (the prefix
 cache usually makes that cheap). Nothing is dropped: a preempted sequence keeps its tokens.
+With LoRA, the running set holds at most `max_loras` distinct adapters (one step's slots): a
+waiting sequence whose adapter would exceed that is passed over, later ones may go first.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs", idle_budget: int | None = None) -> None:
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", idle_budget: int | None = None,
+                 max_loras: int | None = None) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
         self.bm = block_manager
@@ -33,6 +36,7 @@ class Scheduler:
         self.idle_budget = max(max_num_batched_tokens, idle_budget or 0)
         self.chunked = enable_chunked_prefill
         self.policy = policy
+        self.max_loras = max_loras
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -118,8 +122,14 @@ class Scheduler:
                 budget -= n
         # 2. waiting sequences, while memory, budget and seat limits allow (not when running
         #    sequences just ran out of memory: admitting more would only thrash)
-        while self.waiting and not memory_short and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = {id(s.lora) for s in self.running if s.lora is not None}
+        i = 0
+        while i < len(self.waiting) and not memory_short and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if (self.max_loras is not None and seq.lora is not None and id(seq.lora) not in adapters
+                    and len(adapters) >= self.max_loras):
+                i += 1                       # its adapter would not fit this batch's slots
+                continue
             cached = self.bm.find_cached_prefix(seq)
             n = seq.num_tokens - len(cached) * self.bm.block_size
             if n > budget and not self.chunked:
@@ -127,7 +137,9 @@ class Scheduler:
             n = min(n, budget)
             if not self.bm.admit(seq, cached, n):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if seq.lora is not None:
+                adapters.add(id(seq.lora))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

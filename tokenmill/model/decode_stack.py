@@ -42,6 +42,7 @@ class DecodeStack:
 
     def __init__(self, stack, dtype: torch.dtype) -> None:
         self._stack, self.max_rows, self.dtype = stack, stack.max_rows, dtype
+        self.suspended = False     # set for a step whose rows need more than the base weights (LoRA)
 
     @classmethod
     def build(cls, model: nn.Module) -> "DecodeStack | None":
@@ -73,7 +74,7 @@ class DecodeStack:
         """A pure-decode step (no prefill chunk) with rows the stack's kernels take, no autograd,
         a float K/V cache in the model's dtype, one KV group."""
         meta = metas[0]
-        return (not meta.prefills and all(m is meta for m in metas) and meta.num_decode_tokens == x.shape[0] <= self.max_rows
+        return (not self.suspended and not meta.prefills and all(m is meta for m in metas) and meta.num_decode_tokens == x.shape[0] <= self.max_rows
                 and not torch.is_grad_enabled() and kv_caches[0].k.dtype == self.dtype and kv_caches[0].k_scale is None)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -16,6 +16,7 @@ from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import error_response, install_error_handlers
 from tokenmill.server.guards import ServerGuards
+from tokenmill.server.lora_routes import adapter_model_cards, add_lora_routes
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.state import ServerState
 
@@ -57,7 +58,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> JSONResponse:
         data = [{"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
                  "root": state.model_root, "parent": None, "max_model_len": state.limits.max_model_len}
-                for name in state.served_model_names]
+                for name in state.served_model_names] + adapter_model_cards(state)
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/completions")
@@ -68,6 +69,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, state)
 
+    add_lora_routes(app, state)
     return app
 
 
@@ -95,6 +97,8 @@ def run_server(args: argparse.Namespace) -> None:
         metrics=metrics,
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
+        lora=engine.lora,
+        lora_dir=config.lora_dir,
     )
     app = build_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

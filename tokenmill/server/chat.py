@@ -22,10 +22,10 @@ from tokenmill.server.state import ServerState
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     arrival = time.monotonic()
-    model = state.check_model(body.model)
+    model, lora = state.check_model(body.model)
     inp = await asyncio.to_thread(chat_input, body, state.tokenizer, state.limits)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation.start(state.engine, request_id, [inp], arrival)
+    gen = Generation.start(state.engine, request_id, [inp], arrival, lora)
     if body.stream:
         return SSEResponse(_stream(gen, body, state, request_id, model))
     finals = await wait_for_finals(gen, request)

@@ -23,10 +23,10 @@ CLIENT_CLOSED = 499   # nginx's code; never reaches the (gone) client, but shows
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
     arrival = time.monotonic()
-    model = state.check_model(body.model)
+    model, lora = state.check_model(body.model)
     inputs = await asyncio.to_thread(completion_inputs, body, state.tokenizer, state.limits)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation.start(state.engine, request_id, inputs, arrival)
+    gen = Generation.start(state.engine, request_id, inputs, arrival, lora)
     echo = [inp.prompt_text if inp.prompt_text is not None else state.tokenizer.decode(inp.prompt_token_ids)
             for inp in inputs] if body.echo else None
     if body.stream:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 
 from tokenmill.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError,
                                            RequestStream)
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sequence import TokenLogprobs
 from tokenmill.server.errors import OpenAIError
@@ -64,8 +65,9 @@ class Generation:
 
     @classmethod
     def start(cls, engine: AsyncLLMEngine, request_id: str, inputs: list[EngineInput],
-              arrival_time: float | None = None) -> "Generation":
-        """Submit every prompt; all or nothing (a full queue aborts those already queued)."""
+              arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> "Generation":
+        """Submit every prompt (on `lora_request`'s adapter when given); all or nothing (a full
+        queue aborts those already queued)."""
         limit = engine.max_queue_len
         if limit is not None and len(inputs) > limit:     # could never fit: retrying would not help
             raise OpenAIError(400, f"{len(inputs)} prompts in one request exceed this server's queue "
@@ -76,7 +78,8 @@ class Generation:
             for i, inp in enumerate(inputs):
                 rid = request_id if len(inputs) == 1 else f"{request_id}-{i}"
                 gen.streams.append(engine.submit(rid, inp.prompt_token_ids, inp.params, priority=inp.priority,
-                                                 arrival_time=arrival, cache_salt=inp.cache_salt))
+                                                 arrival_time=arrival, cache_salt=inp.cache_salt,
+                                                 lora_request=lora_request))
         except QueueFullError as exc:
             gen.abort()
             raise OpenAIError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc

@@ -94,3 +94,13 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True                     # vLLM
     continue_final_message: bool = False                   # vLLM
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr            # inside --lora-dir (relative to it, or absolute)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    lora_name: NonEmptyStr
+    lora_int_id: int | None = None    # vLLM sends it; the name decides here
