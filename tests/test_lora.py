@@ -203,3 +203,32 @@ def test_lora_request_to_an_engine_without_lora_is_an_error(tiny, adapters):
     llm = LLM(str(tiny), dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapters["qv4"])))
+
+
+def test_lora_flags_use_vllm_names():
+    import argparse
+
+    from tokenmill.engine_args import add_engine_args, engine_config_from_args
+    from tokenmill.lora.manager import parse_lora_modules
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, positional_model=True)
+    cfg = engine_config_from_args(parser.parse_args(
+        ["m", "--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "32",
+         "--max-cpu-loras", "3", "--lora-dir", "/d"]))
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.lora_dir) == (True, 2, 32, 3, "/d")
+    assert parse_lora_modules(cfg.lora_modules) == {"a": "/x", "b": "/y"}
+    for bad in (["a"], ["=x"], ["a=/x", "a=/y"]):
+        with pytest.raises(ValueError, match="lora-modules"):
+            parse_lora_modules(bad)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"lora_modules": ["a=/x"], "enable_lora": False}, "need enable_lora"),
+    ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras"),
+    ({"lora_modules": ["a=/nonexistent"]}, "no adapter_config.json"),
+    ({"lora_dir": "/nonexistent"}, "not a directory"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
+])
+def test_bad_lora_engine_settings_are_refused(tiny, kw, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_llm(tiny, **kw)

@@ -75,6 +75,12 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(quantize_to_dir(args.model, qcfg, args.out, calib=args.calib, calib_max_len=args.calib_max_len))
 
 
+def cmd_lora_train(args: argparse.Namespace) -> None:
+    from tokenmill.lora.train import TrainConfig, train
+    print(train(TrainConfig(model=args.model, out=args.out, rank=args.rank, steps=args.steps, lr=args.lr,
+                            batch_size=args.batch_size, seed=args.seed)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-max-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("lora-train", help="train the demo LoRA adapter (answers in uppercase) in-process")
+    from tokenmill.lora.train import TrainConfig
+    defaults = TrainConfig()
+    p.add_argument("--model", default=defaults.model)
+    p.add_argument("--out", default=defaults.out, help="output directory (PEFT format)")
+    p.add_argument("--rank", type=int, default=defaults.rank)
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.set_defaults(func=cmd_lora_train)
 
     p = sub.add_parser("bench", help="benchmarks (offline throughput vs HF transformers)")
     add_bench_args(p)

@@ -14,8 +14,10 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def save_adapter(path: str | Path, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int,
-                 alpha: float, use_rslora: bool = False, base_model: str | None = None) -> Path:
-    """`weights`: HF module name (model.layers.0.self_attn.q_proj) -> (A [r, in], B [out, r])."""
+                 alpha: float, use_rslora: bool = False, base_model: str | None = None,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """`weights`: HF module name (model.layers.0.self_attn.q_proj) -> (A [r, in], B [out, r]),
+    stored as `dtype`."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     targets = sorted({name.rsplit(".", 1)[1] for name in weights})
@@ -24,8 +26,8 @@ def save_adapter(path: str | Path, weights: dict[str, tuple[torch.Tensor, torch.
               "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": base_model}
     tensors = {}
     for name, (a, b) in weights.items():
-        tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.detach().float().contiguous()
-        tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.detach().float().contiguous()
+        tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.detach().to(dtype).contiguous()
+        tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.detach().to(dtype).contiguous()
     save_file(tensors, str(root / WEIGHTS_FILE))
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return root
