@@ -9,17 +9,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.tiny_models import save_tiny_model_dir
+from tests.tiny_server import BASE, make_client
 from tokenmill import LLM, LoRARequest, SamplingParams
-from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.peft_format import random_adapter
 from tokenmill.model.loader import read_model_config
-from tokenmill.server.app import build_app
-from tokenmill.server.inputs import ModelLimits
-from tokenmill.server.state import ServerState
-
-BASE = "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +26,6 @@ def setup(tmp_path_factory):
     random_adapter(root / "secret", cfg, 4, seed=3)                           # must stay unreachable
     (lora_dir / "escape").symlink_to(root / "secret")
     return model, static, lora_dir
-
-
-def make_client(model: Path, **engine_kw) -> TestClient:
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_model_len=256,
-                                    kv_cache_memory=16 << 20, **engine_kw))
-    state = ServerState(engine=AsyncLLMEngine(engine), tokenizer=engine.tokenizer, served_model_names=[BASE],
-                        model_root=str(model), limits=ModelLimits(engine.max_model_len, engine.model_config.vocab_size, 8),
-                        lora=engine.lora, lora_dir=engine.config.lora_dir)
-    return TestClient(build_app(state))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | fetch | bench | quantize`."""
+"""`tokenmill serve | generate | fetch | bench | quantize | plan | lora-train`."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,8 @@ import logging
 import sys
 
 from tokenmill.bench.args import add_bench_args
-from tokenmill.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.engine_args import add_engine_args, engine_config_from_args, parse_bytes
+from tokenmill.quant.kv_cache import KV_CACHE_DTYPES
 from tokenmill.server.args import add_server_args
 
 
@@ -75,6 +76,30 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(quantize_to_dir(args.model, qcfg, args.out, calib=args.calib, calib_max_len=args.calib_max_len))
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    import torch
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.planner import format_plan, model_config_for, plan
+    from tokenmill.quant.config import QuantConfig
+    cfg = model_config_for(args.model)
+    device = torch.device(args.device)
+    engine = EngineConfig(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    max_len = cfg.resolve_max_model_len(args.max_model_len)
+    quant = None if args.quantization is None else QuantConfig(args.quantization, group_size=args.group_size,
+                                                               quantize_lm_head=args.quantize_lm_head)
+    dtype = str(engine.resolve_dtype(device)).removeprefix("torch.")
+    result = plan(cfg, dtype=dtype, quantization=quant, kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_len,
+                  block_size=args.block_size, memory=args.memory, reserve=args.reserve,
+                  kv_cache_memory=args.kv_cache_memory if args.memory is None else None,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  max_num_seqs=engine.resolve_max_num_seqs(device),
+                  max_num_batched_tokens=engine.resolve_max_num_batched_tokens(device, max_len),
+                  chunk_tokens=engine.resolve_max_idle_batched_tokens(device, max_len),
+                  seq_lens=tuple(args.seq_lens or sorted({min(2048, max_len), max_len})))
+    print(result.as_json() if args.json else format_plan(result, args.model))
+
+
 def cmd_lora_train(args: argparse.Namespace) -> None:
     from tokenmill.lora.train import TrainConfig, train
     print(train(TrainConfig(model=args.model, out=args.out, rank=args.rank, steps=args.steps, lr=args.lr,
@@ -121,6 +146,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-max-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("plan", help="memory bill (weights + KV + activations) and the concurrency it allows")
+    p.add_argument("model", help="known model name, .gguf, HF directory or a bare config.json")
+    p.add_argument("--dtype", default="auto", help="weight dtype: auto (as the engine on --device) | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="whose engine defaults to plan with")
+    p.add_argument("--quantization", default=None, choices=("int8", "smoothquant", "gptq", "awq", "nf4", "rtn4"))
+    p.add_argument("--group-size", type=int, default=128, help="gptq / awq / rtn4 group")
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES))
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--memory", type=parse_bytes, default=None, help="device memory, e.g. 80GiB (KV = the rest)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=2 << 30, help="KV budget when --memory is not given")
+    p.add_argument("--reserve", type=parse_bytes, default=0, help="memory kept back from --memory, e.g. 10GiB")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="request lengths to report concurrency for")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("lora-train", help="train the demo LoRA adapter (answers in uppercase) in-process")
     from tokenmill.lora.train import TrainConfig

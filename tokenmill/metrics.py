@@ -96,6 +96,11 @@ class EngineMetrics:
                                             labels, registry=r).labels(model_name)
         self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft.", labels + ["position"], registry=r)
+        self.history_truncated = Counter(PREFIX + "chat_history_truncated_requests",
+                                         "Chat requests whose oldest turns --chat-history-window dropped.",
+                                         labels, registry=r).labels(model_name)
+        self.history_dropped = Counter(PREFIX + "chat_history_dropped_messages",
+                                       "Chat messages --chat-history-window dropped.", labels, registry=r).labels(model_name)
         self._progress: dict[str, _Progress] = {}
         self._last: EngineSnapshot | None = None
         # interval accumulators for the log line

@@ -88,12 +88,15 @@ def run_server(args: argparse.Namespace) -> None:
     names = args.served_model_name or [config.model]
     metrics = EngineMetrics(names[0], log_interval=None if args.disable_log_stats else args.log_stats_interval)
     max_n = args.max_n or engine.max_num_seqs
+    window = args.chat_history_window
+    if window is not None and not 0 < window < engine.max_model_len:
+        raise SystemExit(f"--chat-history-window must be in [1, max_model_len={engine.max_model_len}), got {window}")
     state = ServerState(
         engine=AsyncLLMEngine(engine, metrics, max_queue_len=args.max_queue_len),
         tokenizer=engine.tokenizer,
         served_model_names=names,
         model_root=config.model,
-        limits=ModelLimits(engine.max_model_len, engine.model_config.vocab_size, max_n),
+        limits=ModelLimits(engine.max_model_len, engine.model_config.vocab_size, max_n, window),
         metrics=metrics,
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,

@@ -26,6 +26,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413 (accepts suffixes like 8M)")
     g.add_argument("--max-n", type=int, default=None,
                    help="largest `n` a request may ask for (default: --max-num-seqs)")
+    g.add_argument("--chat-history-window", type=int, default=None, metavar="TOKENS",
+                   help="drop the oldest chat turns (never system messages or the last user turn) until the "
+                        "templated prompt is at most TOKENS; reported as usage.dropped_messages")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")

@@ -24,6 +24,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     arrival = time.monotonic()
     model, lora = state.check_model(body.model)
     inp = await asyncio.to_thread(chat_input, body, state.tokenizer, state.limits)
+    if inp.dropped_messages and state.metrics is not None:
+        state.metrics.history_truncated.inc()
+        state.metrics.history_dropped.inc(inp.dropped_messages)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation.start(state.engine, request_id, [inp], arrival, lora)
     if body.stream:

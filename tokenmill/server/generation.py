@@ -48,10 +48,14 @@ class ChoiceDelta:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    dropped_messages: int = 0        # chat messages --chat-history-window left out (reported when > 0)
 
     def as_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.dropped_messages:
+            usage["dropped_messages"] = self.dropped_messages
+        return usage
 
 
 @dataclass(eq=False)
@@ -97,7 +101,8 @@ class Generation:
             s.abort()
 
     def usage(self) -> Usage:
-        return Usage(sum(len(i.prompt_token_ids) for i in self.inputs), sum(self._tokens.values()))
+        return Usage(sum(len(i.prompt_token_ids) for i in self.inputs), sum(self._tokens.values()),
+                     sum(i.dropped_messages for i in self.inputs))
 
     # ---- iteration ---------------------------------------------------------------------------
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:

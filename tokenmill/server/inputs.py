@@ -21,6 +21,7 @@ class ModelLimits:
     max_model_len: int
     vocab_size: int
     max_n: int
+    chat_history_window: int | None = None    # --chat-history-window: longest templated chat prompt
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class EngineInput:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    dropped_messages: int = 0              # chat messages the history window left out
 
 
 def _bad(message: str, param: str | None = None) -> OpenAIError:
@@ -96,6 +98,16 @@ def _encode(tokenizer: Any, text: str, param: str) -> list[int]:
         raise _bad(f"could not tokenize {param}: {exc}", param) from exc
 
 
+def _truncate(ids: list[int], keep: int | None, limits: ModelLimits) -> list[int]:
+    """truncate_prompt_tokens: the last `keep` tokens (-1: the context length)."""
+    if keep is None:
+        return ids
+    if keep == 0:
+        raise _bad("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
+    keep = limits.max_model_len if keep == -1 else keep
+    return ids[-keep:]
+
+
 def _check_ids(ids: list[int], limits: ModelLimits, param: str) -> None:
     if not ids:
         raise _bad(f"{param} is empty", param)
@@ -134,6 +146,9 @@ def completion_inputs(req: CompletionRequest, tokenizer: Any, limits: ModelLimit
             ids, text = _encode(tokenizer, prompt, "prompt"), prompt
         else:
             ids, text = list(prompt), None
+        kept = _truncate(ids, req.truncate_prompt_tokens, limits)
+        if len(kept) < len(ids):
+            ids, text = kept, None             # echo shows what the model saw
         _check_ids(ids, limits, "prompt")
         max_tokens = _max_tokens(req.max_tokens if explicit else None, None if explicit else 16,
                                  len(ids), limits, "prompt")
@@ -163,17 +178,44 @@ def chat_input(req: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) 
     if getattr(tokenizer, "chat_template", None) is None:
         raise _bad("this model has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": _message_text(m.content)} for m in req.messages]
-    try:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                            add_generation_prompt=req.add_generation_prompt,
-                                            continue_final_message=req.continue_final_message)
-    except Exception as exc:    # template errors (raise_exception), unencodable text
-        raise _bad(f"could not apply the chat template: {exc}", "messages") from exc
-    ids = list(ids)
+
+    def render(msgs: list[dict[str, str]]) -> list[int]:
+        try:
+            return list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False,
+                                                      add_generation_prompt=req.add_generation_prompt,
+                                                      continue_final_message=req.continue_final_message))
+        except Exception as exc:    # template errors (raise_exception), unencodable text
+            raise _bad(f"could not apply the chat template: {exc}", "messages") from exc
+    ids = render(messages)
+    dropped = 0
+    if limits.chat_history_window is not None and len(ids) > limits.chat_history_window:
+        ids, dropped = _fit_history(messages, render, limits.chat_history_window, ids)
+    ids = _truncate(ids, req.truncate_prompt_tokens, limits)
     _check_ids(ids, limits, "messages")
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(requested, None, len(ids), limits, "messages", budget_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(req, max_tokens, logprobs, limits)
-    return EngineInput(ids, None, params, req.priority, req.cache_salt)
+    return EngineInput(ids, None, params, req.priority, req.cache_salt, dropped)
+
+
+def _fit_history(messages: list[dict[str, str]], render: Any, window: int, ids: list[int]) -> tuple[list[int], int]:
+    """--chat-history-window: drop the oldest turns (a user message and the replies after it)
+    until the templated prompt fits `window` tokens. System/developer messages and the last user
+    turn always stay; if the prompt still does not fit, the context check rejects it as usual.
+    Returns (ids, messages dropped)."""
+    kept = list(messages)
+    dropped = 0
+    while len(ids) > window:
+        last_user = max((i for i, m in enumerate(kept) if m["role"] == "user"), default=len(kept))
+        first = next((i for i, m in enumerate(kept[:last_user]) if m["role"] not in ("system", "developer")), None)
+        if first is None:
+            break
+        end = first + 1                    # the turn: this message and the non-user replies after it
+        while end < last_user and kept[end]["role"] not in ("user", "system", "developer"):
+            end += 1
+        dropped += end - first
+        del kept[first:end]
+        ids = render(kept)
+    return ids, dropped

@@ -55,6 +55,8 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: NonEmptyStr | None = None
+    # vLLM: keep only the last N prompt tokens (-1: the model's context length)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
 
 class CompletionRequest(SamplingFields):
