@@ -121,34 +121,36 @@ def test_kv_quantization_error_bound(dtype, rel, floor):
     """Half a step of the format: int8 rounds to scale / 2; fp8 keeps 3 (e4m3) or 2 (e5m2)
     mantissa bits (relative error 2^-4 / 2^-3) down to its subnormals (half the smallest one)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 4, 32, generator=g) * torch.logspace(-2, 2, 4)[None, :, None]   # heads of very different ranges
+    x = torch.randn(64, 4, 128, generator=g) * torch.logspace(-2, 2, 4)[None, :, None]   # heads of very different ranges
+    x[..., 70] *= 50                                 # an outlier dimension: only its group's scale grows
     codes, scale = quantize(x, dtype)
-    assert codes.dtype == dtype and scale.shape == (64, 4)
-    torch.testing.assert_close(scale, x.abs().amax(-1) / QMAX[dtype])
+    assert codes.dtype == dtype and scale.shape == (64, 4, 2)      # one scale per 64 values
+    torch.testing.assert_close(scale, x.view(64, 4, 2, 64).abs().amax(-1) / QMAX[dtype])
     err = (dequantize(codes, scale, torch.float32) - x).abs()
-    bound = (rel * x.abs() + floor * scale[..., None]) * (1 + 1e-5)
+    bound = (rel * x.abs() + floor * scale.repeat_interleave(64, -1)) * (1 + 1e-5)
     assert (err <= bound).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("window", [None, 8])
-def test_quantized_cache_matches_dense_reference_on_its_dequantized_values(decode_path, dtype, window):
+@pytest.mark.parametrize("window, d", [(None, 16), (8, 16), (None, 128)])
+def test_quantized_cache_matches_dense_reference_on_its_dequantized_values(decode_path, dtype, window, d):
     """Written rows are quantized, and every path reads exactly the dequantized codes; a prefill
-    of a whole prompt attends with its fresh (unquantized) K/V, as vLLM's does."""
+    of a whole prompt attends with its fresh (unquantized) K/V, as vLLM's does. d = 128: two
+    scales per row."""
     q, k, v, kc, vc, meta, seqs = make_case(torch.float32, 6, 2, lens=[1, 5, 17, 33], prefill=[(9, 9), (21, 6)],
-                                            window=window)
+                                            window=window, d=d)
     (ck, sk), (cv, sv) = quantize(kc, dtype), quantize(vc, dtype)
     cache = KVCache(ck, cv, sk, sv)
     out = paged_attention(q, k, v, cache, meta, 0.25)
     kd, vd = dequantize(ck, sk, torch.float32), dequantize(cv, sv, torch.float32)
     # the new rows were quantized on write
-    rows = kd.view(-1, 2, 16)[meta.slot_mapping]
+    rows = kd.view(-1, 2, d)[meta.slot_mapping]
     torch.testing.assert_close(rows, dequantize(*quantize(k, dtype), torch.float32))
     for span in meta.prefills:
         if span.block_table is None:
             fresh = meta.slot_mapping[span.start:span.end]
-            kd.view(-1, 2, 16)[fresh] = k[span.start:span.end]
-            vd.view(-1, 2, 16)[fresh] = v[span.start:span.end]
+            kd.view(-1, 2, d)[fresh] = k[span.start:span.end]
+            vd.view(-1, 2, d)[fresh] = v[span.start:span.end]
     torch.testing.assert_close(out.double(), expected(q, kd, vd, seqs, 0.25, window), atol=1e-5, rtol=1e-5)
 
 
@@ -162,21 +164,23 @@ def test_bf16_cache_under_an_fp32_model(decode_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fused_quantized_write_is_the_torch_write_bit_for_bit(dtype):
+@pytest.mark.parametrize("d", [16, 128])
+def test_fused_quantized_write_is_the_torch_write_bit_for_bit(dtype, d):
     from tokenmill.model.cpu_kernels import fused_layer_kernels
     from tokenmill.quant.kv_cache import write_quantized
     ops = fused_layer_kernels()
     if ops is None:
         pytest.fail("the fused kernels did not compile")
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(7, 3, 2, 16, generator=g)[:, :, 0] * 5      # a strided view, as the qkv split gives
-    v = torch.randn(7, 3, 16, generator=g) * torch.logspace(-3, 3, 3)[None, :, None]
+    k = torch.randn(7, 3, 2, d, generator=g)[:, :, 0] * 5      # a strided view, as the qkv split gives
+    v = torch.randn(7, 3, d, generator=g) * torch.logspace(-3, 3, 3)[None, :, None]
     v[2] = 0                                                     # an all-zero row: the 1e-12 floor
     slots = torch.tensor([0, 5, 6, 9, 17, 30, 31])
     caches = []
     for fused in (ops, None):
-        cache = KVCache(torch.zeros(8, 4, 3, 16, dtype=dtype), torch.zeros(8, 4, 3, 16, dtype=dtype),
-                        torch.ones(8, 4, 3), torch.ones(8, 4, 3))
+        groups = d // 64 if d % 64 == 0 else 1
+        cache = KVCache(torch.zeros(8, 4, 3, d, dtype=dtype), torch.zeros(8, 4, 3, d, dtype=dtype),
+                        torch.ones(8, 4, 3, groups), torch.ones(8, 4, 3, groups))
         write_quantized(k, v, cache, slots, fused)
         caches.append(cache)
     for a, b in zip(*caches):

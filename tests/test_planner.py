@@ -70,7 +70,7 @@ def test_windows_and_kv_dtype_enter_bytes_per_token():
     int8 = plan(cfg("qwen25"), dtype="bfloat16", kv_cache_dtype="int8", kv_cache_memory=GiB, max_model_len=8192)
     assert full.kv_bytes_per_token == 57344
     assert windowed.kv_bytes_per_token < full.kv_bytes_per_token / 6
-    assert int8.kv_layer_token_bytes == 2 * 4 * (128 + 4)
+    assert int8.kv_layer_token_bytes == 2 * 4 * (128 + 2 * 4)      # codes + a scale per 64 values
 
 
 def test_tensor_parallel_splits_weights_and_kv_heads():

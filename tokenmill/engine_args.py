@@ -15,7 +15,7 @@ _HELP = {
     "quantization": "quantize weights at load time: int8 | rtn4 | nf4 (calibrated methods: `tokenmill quantize`)",
     "quantize_lm_head": "quantize the lm_head too",
     "kv_cache_dtype": "K/V storage: auto (the model dtype) | bfloat16 | int8 | fp8_e4m3 | fp8_e5m2 (1-byte codes, "
-                      "one fp32 scale per token and KV head)",
+                      "one fp32 scale per token, KV head and 64 values)",
     "kv_cache_memory": "bytes for the KV cache (CPU default 2 GiB); accepts suffixes like 4G",
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache (CUDA only)",
     "block_size": "tokens per KV-cache block",

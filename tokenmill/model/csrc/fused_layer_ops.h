@@ -164,34 +164,35 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
   copy_rows(v, v_cache);
 }
 
-// Quantize a step's K/V rows [T, Hk, D] (fp32) per (token, head) into 1-byte codes and fp32
-// scales at their slots: scale = max(absmax, 1e-12) * (1 / qmax); code = round-half-even(x * (1 /
-// scale)) for int8, the fp8 cast of x * (1 / scale) otherwise: the same arithmetic, bit for bit, as
-// tokenmill/quant/kv_cache.py's torch reference.
+// Quantize a step's K/V rows [T, Hk, D] (fp32) per (token, head, group of D / G values) into 1-byte
+// codes and fp32 scales [.., G] at their slots: scale = max(absmax, 1e-12) * (1 / qmax); code =
+// round-half-even(x * (1 / scale)) for int8, the fp8 cast of x * (1 / scale) otherwise: the same
+// arithmetic, bit for bit, as tokenmill/quant/kv_cache.py's torch reference.
 template <typename C>
 static void quantize_rows(const torch::Tensor& src, torch::Tensor& codes, torch::Tensor& scales, const int64_t* sl,
                           float inv_qmax) {
-  const int64_t T = src.size(0), H = src.size(1), D = src.size(2);
+  const int64_t T = src.size(0), H = src.size(1), D = src.size(2), G = scales.size(3), sub = D / G;
   const float* x = src.data_ptr<float>();
   C* dst = reinterpret_cast<C*>(codes.data_ptr());
   float* sc = scales.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* row = x + t * src.stride(0) + h * src.stride(1);
-      float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
-      const float s = std::max(amax, 1e-12f) * inv_qmax;
-      const float inv = 1.f / s;
-      C* out = dst + (sl[t] * H + h) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float y = row[d] * inv;
-        if constexpr (std::is_same_v<C, int8_t>)
-          out[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(y))));
-        else
-          out[d] = static_cast<C>(y);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* row = x + t * src.stride(0) + h * src.stride(1) + g * sub;
+        float amax = 0.f;
+        for (int64_t d = 0; d < sub; ++d) amax = std::max(amax, std::fabs(row[d]));
+        const float s = std::max(amax, 1e-12f) * inv_qmax;
+        const float inv = 1.f / s;
+        C* out = dst + (sl[t] * H + h) * D + g * sub;
+        for (int64_t d = 0; d < sub; ++d) {
+          const float y = row[d] * inv;
+          if constexpr (std::is_same_v<C, int8_t>)
+            out[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(y))));
+          else
+            out[d] = static_cast<C>(y);
+        }
+        sc[(sl[t] * H + h) * G + g] = s;
       }
-      sc[sl[t] * H + h] = s;
-    }
 }
 
 void write_kv_quantized_(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes, torch::Tensor v_codes,
@@ -202,8 +203,9 @@ void write_kv_quantized_(torch::Tensor k, torch::Tensor v, torch::Tensor k_codes
               v_codes.sizes() == k_codes.sizes() && k_codes.scalar_type() == v_codes.scalar_type(),
               "codes must be contiguous [blocks, block_size, Hk, D]");
   TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.scalar_type() == torch::kFloat &&
-              k_scale.numel() * k.size(2) == k_codes.numel() && v_scale.sizes() == k_scale.sizes(),
-              "scales must be contiguous fp32 [blocks, block_size, Hk]");
+              k_scale.dim() == 4 && k_scale.size(3) > 0 && k.size(2) % k_scale.size(3) == 0 &&
+              k_scale.numel() * (k.size(2) / k_scale.size(3)) == k_codes.numel() && v_scale.sizes() == k_scale.sizes(),
+              "scales must be contiguous fp32 [blocks, block_size, Hk, G] with G dividing head_dim");
   TORCH_CHECK(k_codes.size(2) == k.size(1) && k_codes.size(3) == k.size(2), "cache heads/dims do not match k");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "slots must be int64 [T]");
   const int64_t capacity = k_codes.size(0) * k_codes.size(1);

@@ -96,7 +96,8 @@ static inline void softmax_(float* sh, int64_t len) {
 template <typename T>
 static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, const float* k_scale,
                          const float* v_scale, const int32_t* table, int64_t first, int64_t end, int64_t block_size,
-                         int64_t row_len, int64_t h0, int64_t h1, int64_t group, int64_t D, float* scores, float* acc) {
+                         int64_t row_len, int64_t h0, int64_t h1, int64_t group, int64_t D, int64_t G, float* scores,
+                         float* acc) {
   const int64_t heads = (h1 - h0) * group;
   const int64_t len = end - first;
   const int64_t Hk = row_len / D;
@@ -128,22 +129,43 @@ static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, co
     return;
   }
 #endif
-  // A KV head's row is converted to fp32 once and used by all `group` query heads that share it
-  // (bf16 / int8 / fp8 caches; an fp32 row is used in place).
+  // A KV head's row is converted to fp32 once, its scales folded in (quantized codes: G scales per
+  // row, one per D / G values), and used by all `group` query heads that share it (an fp32 row is
+  // used in place).
   std::vector<float> conv(std::is_same_v<T, float> ? 0 : D);
-  auto as_float = [&](const T* src) -> const float* {
+  const int64_t sub = D / G;
+  auto as_float = [&](const T* src, const float* sc) -> const float* {
     if constexpr (std::is_same_v<T, float>) {
       return src;
     } else {
+      if (sc == nullptr) {
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) conv[d] = to_float(src[d]);
+        for (int64_t d = 0; d < D; ++d) conv[d] = to_float(src[d]);
+      } else {
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = sc[g];
+          const T* sg = src + g * sub;
+          float* cg = conv.data() + g * sub;
+#pragma omp simd
+          for (int64_t d = 0; d < sub; ++d) cg[d] = to_float(sg[d]) * s;
+        }
+      }
       return conv.data();
     }
   };
+  // several scales per row are folded into the converted row; a single one multiplies the dot
+  // product / softmax weight instead (D times fewer multiplies)
+  const bool fold = G > 1;
+  auto scales_of = [&](const float* scale, int64_t slot, int64_t h) {
+    return scale == nullptr || !fold ? nullptr : scale + (slot * Hk + h) * G;
+  };
+  auto row_scale = [&](const float* scale, int64_t slot, int64_t h) {
+    return scale == nullptr || fold ? 1.f : scale[slot * Hk + h];
+  };
   for_each_row(k_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* krow, int64_t slot) {
     for (int64_t h = h0; h < h1; ++h) {
-      const float* kh = as_float(krow + h * D);
-      const float ks = k_scale == nullptr ? 1.f : k_scale[slot * Hk + h];
+      const float* kh = as_float(krow + h * D, scales_of(k_scale, slot, h));
+      const float ks = row_scale(k_scale, slot, h);
       for (int64_t hq = (h - h0) * group; hq < (h - h0 + 1) * group; ++hq) {
         const float* qh = qs + hq * D;
         float dot = 0.f;
@@ -157,8 +179,8 @@ static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, co
   std::fill(acc, acc + heads * D, 0.f);
   for_each_row(v_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* vrow, int64_t slot) {
     for (int64_t h = h0; h < h1; ++h) {
-      const float* vh = as_float(vrow + h * D);
-      const float vs = v_scale == nullptr ? 1.f : v_scale[slot * Hk + h];
+      const float* vh = as_float(vrow + h * D, scales_of(v_scale, slot, h));
+      const float vs = row_scale(v_scale, slot, h);
       for (int64_t hq = (h - h0) * group; hq < (h - h0 + 1) * group; ++hq) {
         const float p = scores[hq * len + t] * vs;
         float* ah = acc + hq * D;
@@ -173,7 +195,7 @@ template <typename T, typename C>
 static void decode_attention(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
                              const float* v_scale, const int32_t* block_tables,
                              const int32_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t scale_groups, int64_t block_size,
                              int64_t table_width, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t D = head_dim;
@@ -202,7 +224,7 @@ static void decode_attention(const T* q, const C* k_cache, const C* v_cache, con
       for (int64_t i = 0; i < heads * D; ++i) qf[i] = to_float(qs[i]) * scale;
       attend_heads(qf.data(), k_cache, v_cache, k_scale, v_scale, block_tables + s * table_width, first, len,
                    block_size, row_len, h0,
-                   h0 + kv_per_item, group, D, scores.data(), acc.data());
+                   h0 + kv_per_item, group, D, scale_groups, scores.data(), acc.data());
       T* o = out + s * HD + h0 * group * D;
       for (int64_t i = 0; i < heads * D; ++i) o[i] = static_cast<T>(acc[i]);
     }
@@ -210,7 +232,8 @@ static void decode_attention(const T* q, const C* k_cache, const C* v_cache, con
 }
 
 // q: [S, Hq, D]; k_cache/v_cache: [num_blocks, block_size, Hk, D] float (any of fp32/bf16/fp16), or int8 / fp8
-// codes with k_scale/v_scale [num_blocks, block_size, Hk] fp32; block_tables: [S, W] int32;
+// codes with k_scale/v_scale [num_blocks, block_size, Hk, G] fp32 (G scales per row, one per D / G values);
+// block_tables: [S, W] int32;
 // context_lens: [S] int32; window: attend to the last `window` positions only (0 = all).
 // Returns [S, Hq, D] in q's dtype.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -232,17 +255,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hk == 0, "head shapes disagree");
   const float* ks = nullptr;
   const float* vs = nullptr;
+  int64_t G = 1;
   if (quantized) {
+    G = k_scale->dim() == 4 ? k_scale->size(3) : 0;
     TORCH_CHECK(k_scale->scalar_type() == torch::kFloat && v_scale->scalar_type() == torch::kFloat &&
-                k_scale->is_contiguous() && v_scale->is_contiguous() && k_scale->numel() == k_cache.numel() / D &&
-                v_scale->sizes() == k_scale->sizes(), "scales must be contiguous fp32 [blocks, block_size, Hk]");
+                k_scale->is_contiguous() && v_scale->is_contiguous() && G > 0 && D % G == 0 &&
+                k_scale->numel() == k_cache.numel() / D * G && v_scale->sizes() == k_scale->sizes(),
+                "scales must be contiguous fp32 [blocks, block_size, Hk, G] with G dividing head_dim");
     ks = k_scale->data_ptr<float>();
     vs = v_scale->data_ptr<float>();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto* k, auto* v) {
       decode_attention(q.data_ptr<scalar_t>(), k, v, ks, vs, block_tables.data_ptr<int32_t>(),
-                       context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), S, Hq, Hk, D, bs,
+                       context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), S, Hq, Hk, D, G, bs,
                        block_tables.size(1), static_cast<float>(scale), window);
     };
     switch (k_cache.scalar_type()) {
