@@ -232,3 +232,19 @@ def test_lora_flags_use_vllm_names():
 def test_bad_lora_engine_settings_are_refused(tiny, kw, message):
     with pytest.raises(ValueError, match=message):
         tiny_llm(tiny, **kw)
+
+
+def test_cli_generate_with_an_adapter(tiny, adapters, capsys):
+    from tokenmill.cli import main
+    common = ["generate", "--model", str(tiny), "--dtype", "float32", "--max-model-len", "256",
+              "--kv-cache-memory", "16M", "--prompt", "hello world", "--max-tokens", "6"]
+    main(common)
+    base = capsys.readouterr().out
+    main(common + ["--enable-lora", "--lora-modules", f"qv={adapters['qv4']}", "--lora", "qv"])
+    adapted = capsys.readouterr().out
+    llm = tiny_llm(tiny)
+    want = llm.generate(["hello world"], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
+                        lora_request=LoRARequest("qv", 1, str(adapters["qv4"])))[0].outputs[0].text
+    assert adapted == want + "\n" and adapted != base
+    with pytest.raises(SystemExit, match="not among"):
+        main(common + ["--enable-lora", "--lora", "nope"])

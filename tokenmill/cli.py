@@ -31,7 +31,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = list(engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": args.prompt}], tokenize=True, add_generation_prompt=True,
             return_dict=False))
-    engine.add_request("cli", prompt, params)
+    lora = None
+    if args.lora is not None:
+        if engine.lora is None or args.lora not in engine.lora.known:
+            raise SystemExit(f"--lora {args.lora!r}: not among --lora-modules (needs --enable-lora)")
+        lora = engine.lora.known[args.lora]
+    engine.add_request("cli", prompt, params, lora_request=lora)
     while engine.has_unfinished_requests():
         for out in engine.step():
             sys.stdout.write(out.outputs[0].delta_text)
@@ -124,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--lora", default=None, metavar="NAME", help="generate with this --lora-modules adapter")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
