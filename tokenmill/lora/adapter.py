@@ -25,7 +25,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # HF projections an adapter may target, and the fused module of ours each one is a slice of
 TARGETABLE = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 FUSED_MODULES = tuple(FUSED_PROJECTIONS) + ("self_attn.o_proj", "mlp.down_proj")
-_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +123,7 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_rank: 
     for key, tensor in tensors.items():
         module, kind = _split_key(key, where)
         pairs.setdefault(module, {})[kind] = tensor
-    expected = _expected_shapes(model_cfg)
+    expected = projection_shapes(model_cfg)
     modules: dict[str, LoRAWeights] = {}
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -147,7 +147,7 @@ def load_adapter(name: str, path: str | Path, model_cfg: ModelConfig, max_rank: 
 
 def _split_key(key: str, where: str) -> tuple[str, str]:
     """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> (HF module, "A")."""
-    parts = key.removeprefix(_PREFIX).split(".")
+    parts = key.removeprefix(PEFT_PREFIX).split(".")
     if parts[-1] == "weight" and len(parts) >= 3 and parts[-2] in ("lora_A", "lora_B"):
         return ".".join(parts[:-2]), parts[-2][-1]
     if len(parts) >= 4 and parts[-1] == "weight" and parts[-3] in ("lora_A", "lora_B"):   # named adapter
@@ -156,7 +156,7 @@ def _split_key(key: str, where: str) -> tuple[str, str]:
                      "extra trained modules are not supported)")
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """HF projection name -> (out, in) for every targetable projection of the model."""
     inputs = {"self_attn.qkv_proj": cfg.hidden_size, "mlp.gate_up_proj": cfg.hidden_size,
               "self_attn.o_proj": cfg.num_heads * cfg.head_dim, "mlp.down_proj": cfg.intermediate_size}

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from tokenmill.config import ModelConfig
-from tokenmill.lora.adapter import _PREFIX, CONFIG_FILE, WEIGHTS_FILE, _expected_shapes
+from tokenmill.lora.adapter import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE, projection_shapes
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -26,8 +26,8 @@ def save_adapter(path: str | Path, weights: dict[str, tuple[torch.Tensor, torch.
               "fan_in_fan_out": False, "modules_to_save": None, "base_model_name_or_path": base_model}
     tensors = {}
     for name, (a, b) in weights.items():
-        tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.detach().to(dtype).contiguous()
-        tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.detach().to(dtype).contiguous()
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().to(dtype).contiguous()
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().to(dtype).contiguous()
     save_file(tensors, str(root / WEIGHTS_FILE))
     (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return root
@@ -40,7 +40,7 @@ def random_adapter(path: str | Path, cfg: ModelConfig, rank: int, targets: tuple
     output), for tests and benchmarks."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, (out_f, in_f) in _expected_shapes(cfg).items():
+    for name, (out_f, in_f) in projection_shapes(cfg).items():
         layer = int(name.split(".")[2])
         if name.rsplit(".", 1)[1] in targets and (layers is None or layer in layers):
             a = torch.randn(rank, in_f, generator=gen) / in_f ** 0.5
