@@ -6,7 +6,7 @@ MODEL  ?= smollm2-135m-instruct
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench chromium clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ serve: install
 test: install
 	$(PY) -m tokenmill.cli fetch $(MODEL)
 	$(PY) -m pytest -q
+
+# Debian's chromium, for the /dashboard browser test (skipped without it); CI installs it first.
+chromium:
+	command -v chromium >/dev/null || apt-get install -y -q chromium || \
+		(apt-get update -q && apt-get install -y -q chromium)
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

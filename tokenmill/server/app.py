@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenmill import __version__
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
+from tokenmill.server.dashboard import add_dashboard_route
 from tokenmill.server.errors import error_response, install_error_handlers
 from tokenmill.server.guards import ServerGuards
 from tokenmill.server.lora_routes import adapter_model_cards, add_lora_routes
@@ -70,6 +71,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await create_chat_completion(body, request, state)
 
     add_lora_routes(app, state)
+    add_dashboard_route(app)
     return app
 
 
