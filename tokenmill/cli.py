@@ -105,6 +105,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(result.as_json() if args.json else format_plan(result, args.model))
 
 
+def cmd_tune(args: argparse.Namespace) -> None:
+    from tokenmill.bench.tune import run_tune
+    run_tune(args)
+
+
 def cmd_lora_train(args: argparse.Namespace) -> None:
     from tokenmill.lora.train import TrainConfig, train
     print(train(TrainConfig(model=args.model, out=args.out, rank=args.rank, steps=args.steps, lr=args.lr,
@@ -172,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="request lengths to report concurrency for")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("tune", help="SLA auto-tuner: the scheduler setting with the best goodput under the SLA")
+    from tokenmill.bench.tune import add_tune_args
+    add_tune_args(p)
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("lora-train", help="train the demo LoRA adapter (answers in uppercase) in-process")
     from tokenmill.lora.train import TrainConfig

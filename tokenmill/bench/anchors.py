@@ -32,10 +32,12 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def tokenmill_spec(model: str, port: int, parallel: int, ctx_per_seq: int, threads: int, dtype: str,
+def tokenmill_spec(model: str, port: int, parallel: int | None, ctx_per_seq: int, threads: int, dtype: str,
                    extra: list[str] | None = None, name: str = "tokenmill") -> ServerSpec:
+    """`parallel` None leaves --max-num-seqs to the engine's default (or to `extra`)."""
+    seats = [] if parallel is None else ["--max-num-seqs", str(parallel)]
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--max-num-seqs", str(parallel), "--max-model-len", str(ctx_per_seq), "--num-threads", str(threads),
+           *seats, "--max-model-len", str(ctx_per_seq), "--num-threads", str(threads),
            "--dtype", dtype, "--disable-uvicorn-access-log", "--served-model-name", "bench",
            *(extra or [])]
     return ServerSpec(name, cmd, port, "bench")

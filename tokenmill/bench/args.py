@@ -43,21 +43,24 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_quant_speed_parser(sub)
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    """Dataset, arrival process and SLA: shared by `serve` and `compare` so both run one workload."""
+def add_workload_args(p: argparse.ArgumentParser, request_rate: str = "inf", num_prompts: int = 200,
+                      with_sla: bool = True) -> None:
+    """Dataset, arrival process and SLA: shared by `serve`, `compare` and `tune` so all run one
+    workload (`tune` states its SLA as P95 targets of its own)."""
     from tokenmill.bench.datasets import DATASETS
 
     p.add_argument("--dataset", default="sharegpt", choices=DATASETS)
-    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--tokenizer", default="smollm2-135m-instruct",
                    help="known model name, .gguf or HF dir whose tokenizer counts prompt tokens")
-    p.add_argument("--request-rate", default="inf",
+    p.add_argument("--request-rate", default=request_rate,
                    help="requests/s; comma list for a sweep, e.g. 1,2,4,8,inf")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None, help="max requests in flight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--goodput", nargs="*", default=["ttft:500", "tpot:40"],
-                   help="per-request SLA in ms, KEY:MS with KEY in ttft|tpot|e2el")
+    if with_sla:
+        p.add_argument("--goodput", nargs="*", default=["ttft:500", "tpot:40"],
+                       help="per-request SLA in ms, KEY:MS with KEY in ttft|tpot|e2el")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--max-duration", type=float, default=1800.0, help="seconds; later requests are cancelled")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="sharegpt/multiturn prompt limit")
@@ -69,21 +72,23 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-turns", type=int, default=4, help="multiturn turns per conversation")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--save-result", default=None, help="write all metrics and raw timings to this JSON")
-    p.add_argument("--plot", default=None, help="write TTFT/ITL CDFs (and the rate sweep) to this PNG")
+    if with_sla:
+        p.add_argument("--plot", default=None, help="write TTFT/ITL CDFs (and the rate sweep) to this PNG")
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="online load test of a running OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
-    _add_workload_args(p)
+    add_workload_args(p)
 
 
 def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="same workload against tokenmill, llama.cpp llama-server, HF generate")
     p.add_argument("--model", default="smollm2-135m-instruct", help="known model name or .gguf file")
     p.add_argument("--anchors", default="tokenmill,llama.cpp,hf",
-                   help="comma list from tokenmill, llama.cpp, hf (HF: offline static batches)")
+                   help="comma list from tokenmill, tokenmill-default (the engine's scheduler defaults, with "
+                        "--tokenmill-default-args), llama.cpp, hf (HF: offline static batches)")
     p.add_argument("--parallel", type=int, default=32, help="max-num-seqs / llama-server -np slots")
     p.add_argument("--ctx-per-seq", type=int, default=1024, help="context per sequence (max-model-len)")
     p.add_argument("--threads", type=int, default=2)
@@ -98,7 +103,9 @@ def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--llama-server", default="llama-cpp-server", help="llama.cpp server binary")
     p.add_argument("--tokenmill-args", default="",
                    help="extra `tokenmill serve` flags, e.g. --tokenmill-args='--quantization int8 --quantize-lm-head'")
-    _add_workload_args(p)
+    p.add_argument("--tokenmill-default-args", default="",
+                   help="`tokenmill serve` flags of the tokenmill-default anchor (no --max-num-seqs: the engine's own)")
+    add_workload_args(p)
 
 
 def _add_scheduler_parser(sub: argparse._SubParsersAction) -> None:

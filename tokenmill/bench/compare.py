@@ -104,6 +104,9 @@ def _specs(args: argparse.Namespace, names: list[str], gguf: Path) -> list[Serve
         if n == "tokenmill":
             specs.append(tokenmill_spec(args.model, args.port, args.parallel, args.ctx_per_seq, args.threads,
                                         args.dtype, extra=shlex.split(args.tokenmill_args)))
+        elif n == "tokenmill-default":    # the engine's scheduler defaults: what `tokenmill tune` must beat
+            specs.append(tokenmill_spec(args.model, args.port, None, args.ctx_per_seq, args.threads, args.dtype,
+                                        extra=shlex.split(args.tokenmill_default_args), name=n))
         elif n == "llama.cpp":
             specs.append(llama_server_spec(args.llama_server, gguf, args.port, args.parallel, args.ctx_per_seq,
                                            args.threads))
