@@ -159,12 +159,13 @@ class Tuner:
 
 
 def format_table(points: Sequence[Point], best: Setting | None, sla: dict[str, float]) -> str:
-    head = f"{'setting':<64}{'rate':>6}{'goodput':>10}{'out tok/s':>11}{'TTFT P95':>10}{'TPOT P95':>10}  SLA"
+    w = max([8] + [len(setting_label(p.setting)) + 2 for p in points])
+    head = f"{'setting':<{w}}{'rate':>6}{'goodput':>10}{'out tok/s':>11}{'TTFT P95':>10}{'TPOT P95':>10}  SLA"
     lines = [f"SLA: TTFT P95 <= {sla['ttft']:g} ms, TPOT P95 <= {sla['tpot']:g} ms, no failed request; "
              "goodput in req/s, latencies in ms; * = the chosen setting", head, "-" * len(head)]
     for p in points:
         mark = "*" if best is not None and p.setting == best else " "
-        lines.append(f"{mark}{setting_label(p.setting):<63}{p.rate:>6g}{p.goodput:>10.3f}{p.output_throughput:>11.1f}"
+        lines.append(f"{mark}{setting_label(p.setting):<{w - 1}}{p.rate:>6g}{p.goodput:>10.3f}{p.output_throughput:>11.1f}"
                      f"{p.ttft_p95_ms:>10.0f}{p.tpot_p95_ms:>10.1f}  {'meets' if p.meets_sla else 'misses'}")
     return "\n".join(lines)
 
