@@ -11,6 +11,7 @@ be removed safely."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -59,6 +60,22 @@ def build_directory(name: str, source: Path) -> Path:
                                     cpu_flags()]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("TOKENMILL_KERNEL_CACHE", Path.home() / ".cache" / "tokenmill" / "kernels"))
     return root / f"{name}-{key}"
+
+
+KERNELS_SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The one extension holding every hand-written CPU kernel (csrc/kernels.cpp), or None."""
+    return load_cpu_extension("tokenmill_kernels", KERNELS_SOURCE)
+
+
+def kernel_family(name: str) -> ModuleType | None:
+    """One kernel family's submodule (e.g. "fused_layer_ops"), or None when the extension could
+    not be built or was built without it (nf4 / tiled need AVX2)."""
+    ext = cpu_kernels()
+    return None if ext is None else getattr(ext, name, None)
 
 
 def load_cpu_extension(name: str, source: Path) -> ModuleType | None:

@@ -4,31 +4,26 @@ impossible the engine falls back to the plain-torch paths, which tests hold the 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from types import ModuleType
 
-from tokenmill.cpu_extension import load_cpu_extension
-
-_SRC = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-_FUSED_SRC = Path(__file__).parent / "csrc" / "fused_layer_ops.cpp"
-_DENSE_SRC = Path(__file__).parent / "csrc" / "dense_small_m.cpp"
+from tokenmill.cpu_extension import kernel_family
 
 
 @functools.cache
 def paged_decode_kernels() -> ModuleType | None:
     """The compiled extension, or None (TOKENMILL_CPU_KERNELS=0 disables it)."""
-    return load_cpu_extension("tokenmill_paged_decode", _SRC)
+    return kernel_family("paged_decode_attention")
 
 
 @functools.cache
 def fused_layer_kernels() -> ModuleType | None:
     """rms_norm, add_rms_norm, rope_, silu_and_mul (csrc/fused_layer_ops.cpp), or None."""
-    return load_cpu_extension("tokenmill_fused_layer_ops", _FUSED_SRC)
+    return kernel_family("fused_layer_ops")
 
 
 @functools.cache
 def dense_small_m_kernels() -> ModuleType | None:
     """small_m_linear (csrc/dense_small_m.h): fp32 x W^T for up to `max_rows` rows in one pass over
     W, or None (also when the build has no SIMD, where it would not beat MKL)."""
-    ext = load_cpu_extension("tokenmill_dense_small_m", _DENSE_SRC)
+    ext = kernel_family("dense_small_m")
     return ext if ext is not None and ext.vectorized else None

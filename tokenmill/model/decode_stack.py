@@ -9,25 +9,21 @@ smoothing, NF4, LoRA wrappers). One linear that cannot keeps the whole model on 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.cpu_extension import kernel_family
 from tokenmill.model.attention import AttentionMetadata
 from tokenmill.model.cpu_kernels import dense_small_m_kernels
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quant.kv_cache import KVCache
 
-_SRC = Path(__file__).parent / "csrc" / "decode_stack.cpp"
-
-
 @functools.cache
 def decode_stack_kernels() -> ModuleType | None:
-    return load_cpu_extension("tokenmill_decode_stack", _SRC)
+    return kernel_family("decode_stack")
 
 
 def _stack_linear(module: nn.Module, ext: ModuleType, dtype: torch.dtype):

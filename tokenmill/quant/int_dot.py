@@ -10,15 +10,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.cpu_extension import kernel_family
 from tokenmill.quant.kernels import int_dot_max_rows
 
-_SRC = Path(__file__).parent / "csrc" / "int_dot_linear.cpp"
 CHUNK = 64             # columns per integer dot instruction
 # Activation block for per-channel int8 weights. SmolLM2 held-out PPL with every int8 matmul on
 # this kernel (fp32 5.992; float activations 6.007, +0.24 %): blocks of 64 6.021 (+0.48 %), of
@@ -31,7 +29,7 @@ ENABLED = os.environ.get("TOKENMILL_INT_DOT", "1") != "0"
 @functools.cache
 def int_dot_kernels() -> ModuleType | None:
     """The compiled extension when this CPU has AVX512-VNNI, else None."""
-    mod = load_cpu_extension("tokenmill_int_dot_linear", _SRC)
+    mod = kernel_family("int_dot_linear")
     return mod if mod is not None and mod.available() else None
 
 

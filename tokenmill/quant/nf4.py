@@ -23,14 +23,13 @@ expanded once at construction (`absmax_f32`, a non-persistent buffer): with bloc
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.cpu_extension import kernel_family
 from tokenmill.quant.kernels import use_weight_only_kernel
 from tokenmill.quant.tiled import tiled_nf4_linear, tiled_supported
 
@@ -45,9 +44,6 @@ NF4_CODEBOOK = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
 ABSMAX_GROUP = 256   # absmax values sharing one fp32 scale in the second level
-
-
-_SRC = Path(__file__).parent / "csrc" / "nf4_matmul.cpp"
 
 
 def normal_float_codebook(offset: float = 0.9677083) -> torch.Tensor:
@@ -65,7 +61,7 @@ def normal_float_codebook(offset: float = 0.9677083) -> torch.Tensor:
 @functools.cache
 def nf4_kernels() -> ModuleType | None:
     """The compiled extension, or None (TOKENMILL_CPU_KERNELS=0 disables it)."""
-    return load_cpu_extension("tokenmill_nf4_matmul", _SRC)
+    return kernel_family("nf4_matmul")
 
 
 def _check_shape(n: int, k: int, block_size: int) -> None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from tokenmill.cpu_extension import load_cpu_extension
+from tokenmill.cpu_extension import kernel_family
 from tokenmill.quant.kernels import cpu_has_fast_bf16_dot
 
-_SRC = Path(__file__).parent / "csrc" / "tiled_dequant_gemm.cpp"
 # TOKENMILL_TILED_DEQUANT=0 keeps the whole-weight dequantize + GEMM (benchmarks and tests flip this)
 _ENABLED = os.environ.get("TOKENMILL_TILED_DEQUANT", "1") != "0"
 
@@ -21,7 +19,7 @@ _ENABLED = os.environ.get("TOKENMILL_TILED_DEQUANT", "1") != "0"
 @functools.cache
 def tiled_kernels() -> ModuleType | None:
     """The compiled extension, or None (no AVX2/compiler, or TOKENMILL_CPU_KERNELS=0)."""
-    return load_cpu_extension("tokenmill_tiled_dequant_gemm", _SRC)
+    return kernel_family("tiled_dequant_gemm")
 
 
 def tiled_supported(x: torch.Tensor, k: int, group_size: int) -> bool:

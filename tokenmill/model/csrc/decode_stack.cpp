@@ -19,6 +19,8 @@
 #include "paged_decode_attention.h"
 #include "../../quant/csrc/int_dot_linear.h"
 
+namespace tokenmill::stack {
+
 namespace {
 
 namespace fused = tokenmill::fused;
@@ -132,7 +134,7 @@ class DecoderStack {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+inline void bind(pybind11::module_ m) {
   namespace py = pybind11;
   py::class_<Linear>(m, "Linear")
       .def_static("dense", &Linear::dense, py::arg("weight"), py::arg("bias"), py::arg("small_m") = false)
@@ -160,3 +162,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   });
 }
+
+}  // namespace tokenmill::stack

@@ -1,6 +1,8 @@
 #include "dense_small_m.h"
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+namespace tokenmill::dense {
+
+inline void bind(pybind11::module_ m) {
   m.def("small_m_linear", &tokenmill::dense::small_m_linear,
         "x W^T + b for fp32 x of at most 8 rows, one pass over W (CPU)");
   m.def("small_m_linear_int8", &tokenmill::dense::small_m_linear_int8,
@@ -8,3 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_rows") = tokenmill::dense::kMaxRows;
   m.attr("vectorized") = bool(TM_DENSE_VECTORIZED);   // without SIMD it is no faster than MKL
 }
+
+}  // namespace tokenmill::dense

@@ -1,10 +1,14 @@
 // Python bindings of the integer-dot linears (int_dot_linear.h).
 #include "int_dot_linear.h"
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+namespace tokenmill::int_dot {
+
+inline void bind(pybind11::module_ m) {
   m.def("available", &tokenmill::int_dot::available, "built with AVX512-VNNI (otherwise the module has no kernels)");
 #ifdef TM_HAVE_VNNI
   m.def("int4_dot_linear", &tokenmill::int_dot::int4_dot_linear, "group-wise int4 weights x block-quantized int8 x (VNNI)");
   m.def("int8_dot_linear", &tokenmill::int_dot::int8_dot_linear, "per-channel int8 weights x block-quantized int8 x (VNNI)");
 #endif
 }
+
+}  // namespace tokenmill::int_dot

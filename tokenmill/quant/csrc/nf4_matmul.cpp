@@ -24,6 +24,8 @@
 #error "nf4_matmul needs AVX2 and FMA; the Python side falls back to dequantize + matmul"
 #endif
 
+namespace tokenmill::nf4 {
+
 namespace {
 
 constexpr int MT_MAX = 4;   // activation rows per register tile (2 accumulators each)
@@ -185,7 +187,9 @@ torch::Tensor nf4_dequantize(torch::Tensor codes, torch::Tensor absmax, torch::T
   return w;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+inline void bind(pybind11::module_ m) {
   m.def("nf4_linear", &nf4_linear, "NF4 weight x activations, few rows (CPU, AVX2)");
   m.def("nf4_dequantize", &nf4_dequantize, "NF4 codes + absmax -> float32 weight (CPU, AVX2)");
 }
+
+}  // namespace tokenmill::nf4

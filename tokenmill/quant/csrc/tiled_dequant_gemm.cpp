@@ -24,6 +24,8 @@
 #error "tiled_dequant_gemm needs AVX2 and FMA; the Python side falls back to dequantize + matmul"
 #endif
 
+namespace tokenmill::tiled {
+
 namespace {
 
 constexpr int64_t TILE_SCALE_BF16 = 2;   // bf16 tiles: twice the rows (measured 58 vs 71 ms at M=32, SmolLM2 stack, EPYC avx512_bf16)
@@ -166,9 +168,11 @@ torch::Tensor tiled_nf4_linear(torch::Tensor x, torch::Tensor codes, torch::Tens
   return tiled_linear<Format::NF4>(x, codes, absmax.data_ptr<float>(), nullptr, tab, bias, B, bf16_gemm);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+inline void bind(pybind11::module_ m) {
   m.def("tiled_dequant_linear", &tiled_dequant_linear,
         "integer weights (4/8-bit, per-group affine) x many activation rows, dequantized tile by tile (CPU, AVX2)");
   m.def("tiled_nf4_linear", &tiled_nf4_linear,
         "NF4 weights (block absmax) x many activation rows, dequantized tile by tile (CPU, AVX2)");
 }
+
+}  // namespace tokenmill::tiled
