@@ -78,5 +78,8 @@ def test_tensor_parallel_splits_weights_and_kv_heads():
     two = plan(cfg("llama3"), dtype="bfloat16", kv_cache_memory=GiB, tensor_parallel_size=2)
     assert two.kv_layer_token_bytes * 2 == one.kv_layer_token_bytes
     assert abs(two.weight_bytes * 2 - one.weight_bytes) < 0.001 * one.weight_bytes   # norms replicated
-    with pytest.raises(ValueError, match="divide"):
-        plan(cfg("llama3"), dtype="bfloat16", kv_cache_memory=GiB, tensor_parallel_size=3)
+    # 3 ranks split Llama-3's 8 KV heads 2 / 3 / 3 (whole GQA groups): the bill is the fullest rank's
+    three = plan(cfg("llama3"), dtype="bfloat16", kv_cache_memory=GiB, tensor_parallel_size=3)
+    assert three.kv_layer_token_bytes * 8 == one.kv_layer_token_bytes * 3
+    with pytest.raises(ValueError, match="cannot split 32 query heads over 8 KV heads"):
+        plan(cfg("llama3"), dtype="bfloat16", kv_cache_memory=GiB, tensor_parallel_size=12)

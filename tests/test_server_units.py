@@ -43,8 +43,12 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, finish=lambda seq: None)
         self.block_manager = SimpleNamespace(usage=0.0, prefix_queries=0, prefix_hits=0)
         self.spec = None               # no speculative decoding
+        self.failure = None            # no tensor-parallel worker died
         self.steps = 0
         self.log: list[str] = []
+
+    def close(self) -> None:
+        pass
 
     def _sync(self) -> None:
         self.blocks_used = len(self.requests)

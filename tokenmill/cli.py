@@ -45,6 +45,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from tokenmill.parallel.group import torchrun_rank
+    launched = torchrun_rank()
+    if launched is not None and launched[0] != 0:     # torchrun: ranks > 0 compute, rank 0 serves
+        from tokenmill.engine_args import engine_config_from_args
+        from tokenmill.parallel.worker import join_as_worker
+        join_as_worker(engine_config_from_args(args), *launched)
+        return
     from tokenmill.server.app import run_server
     run_server(args)
 

@@ -134,6 +134,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None          # adapters kept loaded (LRU); None: max_loras
     lora_dir: str | None = None               # runtime load_lora_adapter paths must lie inside it
+    tensor_parallel_size: int = 1             # ranks, each holding 1/N of every layer (tokenmill/parallel/)
 
     def resolve_max_num_seqs(self, device: torch.device) -> int:
         if self.max_num_seqs is None:

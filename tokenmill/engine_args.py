@@ -32,6 +32,8 @@ _HELP = {
     "max_lora_rank": "largest adapter rank accepted",
     "max_cpu_loras": "adapters kept loaded in memory, least recently used evicted (default: max_loras)",
     "lora_dir": "enables POST /v1/load_lora_adapter and /v1/unload_lora_adapter for adapters inside this directory",
+    "tensor_parallel_size": "ranks holding 1/N of every layer each (gloo on CPU, nccl on CUDA); spawned here, or "
+                            "one per `torchrun` process (MASTER_ADDR/MASTER_PORT), rank 0 serving HTTP",
     "max_num_seqs": "most sequences in a step (default: 12 on CPU, sized for TPOT P95 < 40 ms; 256 on GPU)",
     "max_num_batched_tokens": "token budget of a step, prefill chunks included (default: 256 on CPU, "
                               "bounding the inter-token stall a prefill causes; 2048 on GPU)",

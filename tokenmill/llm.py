@@ -28,6 +28,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do on one rank)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

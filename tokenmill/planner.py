@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.kv_groups import blocks_per_sequence, kv_bytes_per_token, plan_kv_groups
+from tokenmill.parallel.shard import even_ranges, head_shards
 from tokenmill.quant import kv_cache
 from tokenmill.quant.config import QuantConfig
 
@@ -76,28 +77,44 @@ def linear_bytes(out_f: int, in_f: int, dtype: torch.dtype, quant: QuantConfig |
     return int(out_f * in_f // 2 + out_f * groups * 2.5)        # 4-bit codes, fp16 scales, 4-bit zeros
 
 
+@dataclass(frozen=True, slots=True)
+class RankShare:
+    """The largest share any tensor-parallel rank holds (parallel/shard.py's split): the bill
+    is per rank, and the fullest rank is the one that must fit."""
+    q_heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: int) -> "RankShare":
+        heads = head_shards(cfg.num_heads, cfg.num_kv_heads, tp)
+        widest = lambda n: max(hi - lo for lo, hi in even_ranges(n, tp))     # noqa: E731
+        return cls(max(h.num_heads for h in heads), max(h.num_kv_heads for h in heads),
+                   widest(cfg.intermediate_size), widest(cfg.vocab_size))
+
+
 def weight_groups(cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None, tp: int = 1) -> list[WeightGroup]:
-    """Weights by group, per rank under tensor parallelism (projections and the vocabulary split
-    N ways; KV projections replicated when the KV heads do not divide; norms replicated)."""
+    """Weights by group, per rank under tensor parallelism (the fullest rank: heads split by KV
+    groups, MLP columns and vocabulary N ways; norms replicated)."""
     d = dtype.itemsize
-    q, o_in = cfg.num_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
-    kv_shards = tp if cfg.num_kv_heads % tp == 0 else 1
-    kv = cfg.num_kv_heads * cfg.head_dim
-    qkv_out = q // tp + 2 * kv // kv_shards
-    inter = cfg.intermediate_size // tp
+    share = RankShare.of(cfg, tp)
+    q = o_in = share.q_heads * cfg.head_dim
+    qkv_out = q + 2 * share.kv_heads * cfg.head_dim
+    inter = share.intermediate
     L = cfg.num_layers
     qkv = L * linear_bytes(qkv_out, cfg.hidden_size, dtype, quant)
-    o = L * linear_bytes(cfg.hidden_size, o_in // tp, dtype, quant)
+    o = L * linear_bytes(cfg.hidden_size, o_in, dtype, quant)
     gate_up = L * linear_bytes(2 * inter, cfg.hidden_size, dtype, quant)
     down = L * linear_bytes(cfg.hidden_size, inter, dtype, quant)
     bias = L * d * ((qkv_out if cfg.attention_bias else 0) + (cfg.hidden_size if cfg.o_proj_bias else 0)
                     + ((2 * inter + cfg.hidden_size) if cfg.mlp_bias else 0))
     norms_per_layer = (4 if cfg.architecture == "gemma3" else 2) * cfg.hidden_size
     qk_norms = 2 * cfg.head_dim if cfg.architecture == "gemma3" else 0
-    vocab = -(-cfg.vocab_size // tp)
+    vocab = share.vocab
     groups = [
         WeightGroup("embed_tokens", vocab * cfg.hidden_size, vocab * cfg.hidden_size * d),
-        WeightGroup("attention (qkv, o)", L * (qkv_out * cfg.hidden_size + cfg.hidden_size * o_in // tp), qkv + o),
+        WeightGroup("attention (qkv, o)", L * (qkv_out * cfg.hidden_size + cfg.hidden_size * o_in), qkv + o),
         WeightGroup("mlp (gate_up, down)", L * 3 * inter * cfg.hidden_size, gate_up + down),
         WeightGroup("norms and biases", L * (norms_per_layer + qk_norms) + cfg.hidden_size + bias // d,
                     (L * (norms_per_layer + qk_norms) + cfg.hidden_size) * d + bias),
@@ -115,11 +132,12 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, max_batched_tokens: i
     `max_batched_tokens` (fp32 residual, qkv, the attention scores of the chunk over the whole
     context, gate_up and its activation) plus fp32 logits of the sampling rows."""
     t, d = max_batched_tokens, dtype.itemsize
-    heads = cfg.num_heads // tp
+    share = RankShare.of(cfg, tp)
+    heads = share.q_heads
     residual = 2 * t * cfg.hidden_size * 4
-    qkv = t * (heads + 2 * max(1, cfg.num_kv_heads // tp)) * cfg.head_dim * d
+    qkv = t * (heads + 2 * share.kv_heads) * cfg.head_dim * d
     scores = heads * t * max_model_len * 4
-    mlp = t * 3 * (cfg.intermediate_size // tp) * d
+    mlp = t * 3 * share.intermediate * d
     logits = max_num_seqs * cfg.vocab_size * 4
     return residual + max(qkv + scores, mlp) + logits
 
@@ -136,8 +154,8 @@ def plan(cfg: ModelConfig, *, dtype: str = "bfloat16", quantization: QuantConfig
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if (memory is None) == (kv_cache_memory is None):
         raise ValueError("give exactly one of memory (the device's bytes) and kv_cache_memory (the KV budget)")
-    if tensor_parallel_size < 1 or cfg.num_heads % tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must divide the {cfg.num_heads} attention heads")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     tp = tensor_parallel_size
     wdtype = DTYPES[dtype]
     max_len = cfg.resolve_max_model_len(max_model_len)
@@ -149,7 +167,7 @@ def plan(cfg: ModelConfig, *, dtype: str = "bfloat16", quantization: QuantConfig
         raise ValueError(f"nothing left for the KV cache: memory {memory / GiB:.2f} GiB - weights "
                          f"{weights / GiB:.2f} GiB - activations {act / GiB:.2f} GiB - reserve {reserve / GiB:.2f} GiB")
     kv_dtype = kv_cache.storage_dtype(kv_cache_dtype, wdtype)
-    kv_heads = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
+    kv_heads = RankShare.of(cfg, tp).kv_heads      # every rank sizes its blocks by the fullest
     layer_token = 2 * kv_heads * kv_cache.token_head_bytes(cfg.head_dim, kv_dtype)
     chunk = chunk_tokens or max_num_batched_tokens
     kv_groups = plan_kv_groups(cfg, budget, block_size, layer_token * block_size, max_len, chunk)

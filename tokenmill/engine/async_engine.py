@@ -128,10 +128,13 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        if not self._thread or not self._thread.is_alive():
+            await asyncio.to_thread(self.engine.close)      # tensor-parallel workers, if any
 
     @property
     def is_alive(self) -> bool:
-        return self.dead is None and self._thread is not None and self._thread.is_alive()
+        return (self.dead is None and self.engine.failure is None and self._thread is not None
+                and self._thread.is_alive())
 
     @property
     def num_queued(self) -> int:

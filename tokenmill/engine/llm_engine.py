@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import OutputText
@@ -22,8 +23,9 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.hub import resolve_model
 from tokenmill.lora.manager import parse_lora_modules
 from tokenmill.lora.request import LoRARequest
-from tokenmill.model.loader import (checkpoint_quant_config, gguf_reader, load_model_weights, load_tokenizer,
-                                    read_model_config)
+from tokenmill.model.loader import load_tokenizer
+from tokenmill.parallel.launch import start_tensor_parallel
+from tokenmill.parallel.worker import exit_on_worker_death
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence, TokenLogprobs
@@ -55,19 +57,22 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+            torch.set_num_threads(config.num_threads)      # (tensor parallelism divides the cores itself)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         t0 = time.perf_counter()
+        self.failure: str | None = None      # set when a tensor-parallel worker died
+        self.tp, self.workers = start_tensor_parallel(config, self.device, self._worker_died)
         path = resolve_model(config.model)
-        self.max_model_len = read_model_config(path).resolve_max_model_len(config.max_model_len)
-        model_cfg, weights = load_model_weights(path, self.dtype)
         self.tokenizer = load_tokenizer(path if config.tokenizer is None else resolve_model(config.tokenizer))
-        self.model_config = model_cfg
-        self.runner = ModelRunner(config, model_cfg, weights, self.device, self.dtype, self.max_model_len,
-                                  checkpoint_quant=checkpoint_quant_config(path))
-        del weights
-        gguf_reader.cache_clear()        # start-up only: its parsed metadata is large
+        try:
+            self.runner = ModelRunner.from_config(config, self.device, self.dtype, self.tp)
+        except BaseException:
+            self.tp = None                  # no goodbye broadcast: the workers may never get that far
+            self.close(worker_timeout_s=0)
+            raise
+        self.max_model_len = self.runner.max_model_len
+        model_cfg = self.model_config = self.runner.model_cfg
         self.runner.check_holds_max_model_len()
         self.lora = self.runner.lora
         if self.lora is not None:
@@ -95,6 +100,21 @@ class LLMEngine:
         log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache of %d-token blocks: %s", config.model,
                  model_cfg.architecture, self.device, str(self.dtype).removeprefix("torch."),
                  time.perf_counter() - t0, config.block_size, self.runner.describe_kv_cache())
+
+    def _worker_died(self, message: str) -> None:
+        self.failure = message
+        exit_on_worker_death(message)
+
+    def close(self, worker_timeout_s: float = 10.0) -> None:
+        """Stop the tensor-parallel workers (a no-op on one rank). The engine is unusable after."""
+        if self.tp is not None and self.failure is None:
+            self.tp.broadcast(None)
+            self.tp = None
+        if self.workers is not None:
+            self.workers.stop(worker_timeout_s)
+            self.workers = None
+        if self.config.tensor_parallel_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _eos_ids(self) -> list[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -1,13 +1,14 @@
 """Owns the model and the KV cache; turns a scheduler decision into one flat batch and logits."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig, ModelConfig, UnsupportedConfig
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.kv_groups import GroupedBlockManager, blocks_per_sequence, kv_bytes_per_token, plan_kv_groups
 from tokenmill.model import causal_lm_class
@@ -16,6 +17,8 @@ from tokenmill.model.decode_stack import DecodeStack
 from tokenmill.engine.sampler import gather_logprobs
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.model.llama import hf_module_sources, hf_row_sizes
+from tokenmill.parallel.group import TensorParallel
+from tokenmill.parallel.shard import shard_model
 from tokenmill.quant.checkpoint import load_quantized_linears
 from tokenmill.quant.apply import quantize_model, weight_bytes
 from tokenmill.quant import kv_cache
@@ -36,6 +39,32 @@ def layer_token_bytes(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
 
 
 @dataclass(slots=True)
+class StepInputs:
+    """Everything one forward pass needs besides the weights and the KV cache: what rank 0
+    broadcasts to the other tensor-parallel ranks each step."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    group_metas: list[AttentionMetadata]     # one per KV group
+    logit_rows: torch.Tensor                 # rows that sample
+    prompt_rows: torch.Tensor | None = None  # rows owed prompt logprobs
+
+
+def to_device(obj, device: torch.device):
+    """A copy of a step's inputs (tensors inside dataclasses and lists) on `device`: a step crosses
+    to the other ranks through CPU memory, and each rank's tensors live on its own GPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, torch.device):
+        return device
+    if isinstance(obj, list):
+        return [to_device(o, device) for o in obj]
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+@dataclass(slots=True)
 class _Rows:
     """One scheduled sequence's rows in the flat batch."""
     seq: Sequence
@@ -48,11 +77,13 @@ class _Rows:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 checkpoint_quant: QuantConfig | None = None) -> None:
+                 checkpoint_quant: QuantConfig | None = None, tp: TensorParallel | None = None) -> None:
         """With `config.quantization` the float weights are quantized once they are loaded.
         With `checkpoint_quant` (a quantized checkpoint's config) `weights` holds quantized
-        tensors and the quantized modules are built straight from them."""
+        tensors and the quantized modules are built straight from them. With `tp` the model is
+        sliced to this rank's part (parallel/shard.py) before any load-time quantization."""
         self.device, self.dtype = device, dtype
+        self.tp = tp
         self.block_size = config.block_size
         self.model_cfg = model_cfg
         with torch.device("meta"):
@@ -71,17 +102,28 @@ class ModelRunner:
             model = model.to(device)
             quant = checkpoint_quant
         model.load_hf_state_dict(weights)
+        kv_cfg = block_cfg = model_cfg      # KV heads this rank stores / that size a block
+        if tp is not None:
+            shard = shard_model(model, model_cfg, tp)
+            kv_cfg = shard.local_config(model_cfg)
+            block_cfg = dataclasses.replace(kv_cfg, num_kv_heads=shard.max_kv_heads)  # equal block counts
         self.float_weight_bytes = weight_bytes(model, as_float=dtype)
         if config.quantization and quant is None:
             quant = QuantConfig(config.quantization, quantize_lm_head=config.quantize_lm_head)
-            quantize_model(model, quant)
+            try:
+                quantize_model(model, quant)
+            except ValueError as exc:
+                if tp is None:
+                    raise
+                raise UnsupportedConfig(f"--quantization {quant.method} with tensor_parallel_size={tp.world_size}: "
+                                        f"rank {tp.rank}'s slice of a layer cannot be quantized: {exc}") from exc
         self.quant = quant
         self.weight_bytes = weight_bytes(model)
         if quant is not None:
             log.info("weights quantized with %s: %.1f MB (float %s: %.1f MB)", quant.method,
                      self.weight_bytes / 1e6, str(dtype).removeprefix("torch."), self.float_weight_bytes / 1e6)
         self.model = model.eval()
-        if not config.enforce_eager:
+        if not config.enforce_eager and tp is None:      # the C++ stack has no all-reduce
             model.decode_stack = DecodeStack.build(model)      # of the base weights
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -91,7 +133,7 @@ class ModelRunner:
         # the longest chunk a step may compute for one sequence (a window group must hold it)
         self.max_chunk = config.resolve_max_idle_batched_tokens(device, max_model_len)
         self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, dtype)
-        self.layer_block_bytes = layer_token_bytes(model_cfg, self.kv_dtype) * self.block_size
+        self.layer_block_bytes = layer_token_bytes(block_cfg, self.kv_dtype) * self.block_size
         self.kv_groups = plan_kv_groups(model_cfg, self._kv_budget(config), self.block_size,
                                         self.layer_block_bytes, max_model_len, self.max_chunk)
         if any(g.num_blocks < 2 for g in self.kv_groups):
@@ -100,11 +142,31 @@ class ModelRunner:
         self.kv_caches: list[kv_cache.KVCache] = [None] * model_cfg.num_layers
         self.layer_group = [0] * model_cfg.num_layers
         for gi, g in enumerate(self.kv_groups):
-            shape = (g.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+            shape = (g.num_blocks, self.block_size, kv_cfg.num_kv_heads, kv_cfg.head_dim)
             for layer in g.layers:
                 self.kv_caches[layer] = kv_cache.allocate(shape, self.kv_dtype, device)
                 self.layer_group[layer] = gi
         self.kv_cache_bytes = sum(len(g.layers) * g.num_blocks for g in self.kv_groups) * self.layer_block_bytes
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    tp: TensorParallel | None = None) -> "ModelRunner":
+        """Load `config.model`'s checkpoint and build the runner (this rank's part under `tp`)."""
+        from tokenmill.hub import resolve_model
+        from tokenmill.model.loader import checkpoint_quant_config, gguf_reader, load_model_weights, read_model_config
+
+        path = resolve_model(config.model)
+        max_model_len = read_model_config(path).resolve_max_model_len(config.max_model_len)
+        checkpoint_quant = checkpoint_quant_config(path)
+        if tp is not None and checkpoint_quant is not None:
+            raise UnsupportedConfig(f"tensor parallelism over a {checkpoint_quant.method}-quantized checkpoint is "
+                                    "not supported: load the float checkpoint with --quantization instead (it is "
+                                    "sliced first, then quantized)")
+        model_cfg, weights = load_model_weights(path, dtype)
+        runner = cls(config, model_cfg, weights, device, dtype, max_model_len, checkpoint_quant, tp)
+        del weights
+        gguf_reader.cache_clear()        # start-up only: its parsed metadata is large
+        return runner
 
     def _kv_budget(self, config: EngineConfig) -> int:
         budget = config.kv_cache_memory
@@ -195,14 +257,31 @@ class ModelRunner:
         dev = self.device
         if self.lora is not None:
             self.lora.prepare([(r.seq.lora, r.first_row, r.first_row + r.end - r.start) for r in rows])
-        group_metas = [self._group_metadata(rows, gi, g.window) for gi, g in enumerate(self.kv_groups)]
-        metas = [group_metas[gi] for gi in self.layer_group]
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_caches, metas)
-        if prompt_spans:
-            self._prompt_logprobs(hidden, prompt_spans)
         logit_rows = [r for seq, _ in scheduled if seq.seq_id in sample_rows for r in sample_rows[seq.seq_id]]
-        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev, dtype=torch.long)])
+        step = StepInputs(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                          [self._group_metadata(rows, gi, g.window) for gi, g in enumerate(self.kv_groups)],
+                          torch.tensor(logit_rows, device=dev, dtype=torch.long))
+        on_prompt_logits = None
+        if prompt_spans:
+            step.prompt_rows = torch.tensor([r for _, row, _, count in prompt_spans for r in range(row, row + count)],
+                                            device=dev, dtype=torch.long)
+            on_prompt_logits = self._prompt_logprobs(prompt_spans)
+        if self.tp is not None:
+            self.tp.broadcast(step if dev.type == "cpu" else to_device(step, torch.device("cpu")))
+        return self.forward_step(step, on_prompt_logits)
+
+    def forward_step(self, step: StepInputs, on_prompt_logits=None) -> torch.Tensor:
+        """The step's forward pass on this rank; the logits of its sampling rows. Prompt rows go
+        through the lm_head PROMPT_LOGPROBS_ROWS at a time, each chunk handed to
+        `on_prompt_logits(first, logits)` ([T, V] logits of a long chunk never exist at once)."""
+        metas = [step.group_metas[gi] for gi in self.layer_group]
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, metas)
+        if step.prompt_rows is not None:
+            for i in range(0, len(step.prompt_rows), PROMPT_LOGPROBS_ROWS):
+                logits = self.model.compute_logits(hidden[step.prompt_rows[i:i + PROMPT_LOGPROBS_ROWS]])
+                if on_prompt_logits is not None:
+                    on_prompt_logits(i, logits)
+        return self.model.compute_logits(hidden[step.logit_rows])
 
     def _group_metadata(self, rows: list[_Rows], group: int, window: int | None) -> AttentionMetadata:
         """Slots, decode block tables and prefill spans of one KV group (its own block tables;
@@ -239,19 +318,18 @@ class ModelRunner:
                                  decode_block_tables=decode_bt, decode_context_lens=decode_lens_t,
                                  prefills=prefills, window=window)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
-        """Reduce each prompt row to (logprob of the next prompt token, rank, top-n) right after
-        its lm_head slice, so [T, V] logits never exist at once. Raw fp32 logits, as vLLM."""
-        rows = [r for _, row, _, count in spans for r in range(row, row + count)]
+    def _prompt_logprobs(self, spans: list[tuple[Sequence, int, int, int]]):
+        """A consumer of prompt-row logits chunks that reduces each row to (logprob of the next
+        prompt token, rank, top-n) and appends it to its sequence. Raw fp32 logits, as vLLM."""
         # the next token may lie past this chunk, so read it from the sequence
         targets = [t for seq, _, pos, count in spans for t in seq.token_ids[pos + 1:pos + 1 + count]]
         owner = [seq for seq, _, _, count in spans for _ in range(count)]
         num_top = [seq.params.prompt_logprobs or 0 for seq in owner]
         vocab = self.model_cfg.vocab_size
-        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
-            sl = slice(i, i + PROMPT_LOGPROBS_ROWS)
-            idx = torch.tensor(rows[sl], device=hidden.device, dtype=torch.long)
-            logits = self.model.compute_logits(hidden[idx])[:, :vocab]
-            ids = torch.tensor(targets[sl], device=hidden.device, dtype=torch.long)
-            for seq, lp in zip(owner[sl], gather_logprobs(logits, ids, num_top[sl])):
+
+        def consume(first: int, logits: torch.Tensor) -> None:
+            sl = slice(first, first + len(logits))
+            ids = torch.tensor(targets[sl], device=logits.device, dtype=torch.long)
+            for seq, lp in zip(owner[sl], gather_logprobs(logits[:, :vocab], ids, num_top[sl])):
                 seq.prompt_logprobs.append(lp)
+        return consume

@@ -17,10 +17,16 @@ from tokenmill.model.rope import RotaryEmbedding
 from tokenmill.quant.kv_cache import KVCache
 
 
+def unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, qk_norm: bool = False) -> None:
         """qk_norm: RMSNorm over each head's q and k before rope (Gemma 3, Qwen 3)."""
         super().__init__()
+        # sums the ranks' partial o_proj outputs under tensor parallelism (parallel/shard.py)
+        self.output_reduce: Callable[[torch.Tensor], torch.Tensor] = unchanged
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -42,7 +48,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.output_reduce(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -51,9 +57,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_and_mul = act_and_mul
+        self.output_reduce: Callable[[torch.Tensor], torch.Tensor] = unchanged   # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.output_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -88,6 +95,8 @@ class LlamaForCausalLM(nn.Module):
         # all layers of a pure-decode step in one C++ call (model/decode_stack.py); set by the
         # runner once the weights are final, None = the eager layers below
         self.decode_stack = None
+        # joins the ranks' vocabulary slices of the logits under tensor parallelism
+        self.logits_gather: Callable[[torch.Tensor], torch.Tensor] = unchanged
 
     def make_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
         return DecoderLayer(cfg)
@@ -114,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.logits_gather(self.lm_head(hidden)).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
