@@ -194,7 +194,9 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
               f"--model {args.model} --dtype {args.dtype} --ctx-per-seq {args.max_model_len} "
               f"--tokenmill-args {shlex.quote(' '.join(setting_flags(best) + shlex.split(args.serve_args)))} "
               f"--tokenmill-default-args {shlex.quote(args.serve_args)} --dataset {args.dataset} "
-              f"--num-prompts {args.num_prompts} --request-rate {args.request_rate}")
+              f"--num-prompts {args.num_prompts} --max-prompt-tokens {args.max_prompt_tokens} "
+              f"--max-output-tokens {args.max_output_tokens} --seed {args.seed} --request-rate {args.request_rate} "
+              f"--goodput ttft:{args.ttft_p95:g} tpot:{args.tpot_p95:g}")
     else:
         print("\nno measured setting met the SLA at any rate tried")
     doc = {"benchmark": "tune", "machine": machine_info(), "sla_ms": tuner.sla,
