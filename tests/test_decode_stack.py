@@ -57,7 +57,8 @@ def test_decode_steps_match_the_eager_layers_bit_for_bit(dtype, quantization, ar
     counting = _Counting(model.decode_stack)
     bm = BlockManager(runner.num_blocks, 4)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 6, 13, 22, 9)]
+    # 12 sequences: batched steps past 8 rows take the chunked small-batch kernel (fp32) in both paths
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 6, 13, 22, 9, 2, 4, 7, 3, 11, 5, 8)]
     seqs = [Sequence(str(i), p, SamplingParams(max_tokens=32)) for i, p in enumerate(prompts)]
     for s in seqs:
         assert bm.admit(s, [], 0) and bm.grow(s, s.num_tokens)

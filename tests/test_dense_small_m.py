@@ -48,6 +48,31 @@ def test_linear_module_takes_the_kernel_only_where_it_applies(monkeypatch):
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("rows", [9, 12, 16])
+def test_chunked_rows_match_f_linear_and_each_chunk_alone(rows):
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, 96), torch.randn(200, 96), torch.randn(200)
+    out = ext.small_m_linear_chunked(x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=2e-4, rtol=1e-5)
+    assert torch.equal(out[8:], ext.small_m_linear(x[8:], w, b))     # a chunk's bits as on its own
+
+
+def test_chunked_only_where_it_was_measured_to_pay(monkeypatch):
+    assert ext.chunked_pays(12, 3072, 576) and ext.chunked_pays(16, 49152, 576)
+    assert not ext.chunked_pays(8, 3072, 576) and not ext.chunked_pays(17, 3072, 576)
+    assert not ext.chunked_pays(12, 576, 1536)                      # deeper than wide: MKL
+    calls = []
+    real = ext.small_m_linear_chunked
+    monkeypatch.setattr(ext, "small_m_linear_chunked", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        wide = Linear(64, 128)
+        for rows in (8, 12, 16, 17):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(wide(x), F.linear(x, wide.weight, wide.bias), atol=1e-4, rtol=1e-5)
+        Linear(128, 64)(torch.randn(12, 128))
+    assert calls == [12, 16]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_int8_codes_match_the_dequantized_weight(rows):
     from tokenmill.quant.int8 import Int8Linear

@@ -30,9 +30,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = fused_cpu_ops(x) and dense_small_m_kernels()
-        if (ops is not None and x.dim() == 2 and 0 < x.shape[0] <= ops.max_rows and x.dtype == torch.float32
-                and self.weight.dtype == torch.float32 and self.weight.is_contiguous()):
-            return ops.small_m_linear(x, self.weight, self.bias)
+        if (ops is not None and x.dim() == 2 and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and self.weight.is_contiguous()):
+            rows = x.shape[0]
+            if 0 < rows <= ops.max_rows:
+                return ops.small_m_linear(x, self.weight, self.bias)
+            if ops.chunked_pays(rows, self.out_features, self.in_features):    # as the C++ decode stack
+                return ops.small_m_linear_chunked(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

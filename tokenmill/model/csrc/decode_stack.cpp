@@ -44,9 +44,12 @@ struct Linear {
 #endif
       default:
         // the same choice as tokenmill/model/layers.py's Linear, so the stack keeps the eager bits
-        if (small_m && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-            x.size(0) >= 1 && x.size(0) <= tokenmill::dense::kMaxRows && weight.is_contiguous())
-          return tokenmill::dense::small_m_linear(x, weight, bias);
+        if (small_m && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
+          if (x.size(0) >= 1 && x.size(0) <= tokenmill::dense::kMaxRows)
+            return tokenmill::dense::small_m_linear(x, weight, bias);
+          if (tokenmill::dense::chunked_pays(x.size(0), weight.size(0), weight.size(1)))
+            return tokenmill::dense::small_m_linear_chunked(x, weight, bias);
+        }
         return bias.has_value() ? at::linear(x, weight, *bias) : at::linear(x, weight);
     }
   }
