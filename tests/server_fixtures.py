@@ -13,7 +13,6 @@ import atexit
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from tokenmill.parallel.worker import free_loopback_port
 
 MODEL = "smollm2-135m-instruct"
 SERVED_NAME = "smollm2"
@@ -36,10 +37,7 @@ BASE_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "256M", "--dtype", 
              "--served-model-name", SERVED_NAME, "--disable-uvicorn-access-log", "--log-stats-interval", "1"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = free_loopback_port
 
 
 @dataclass

@@ -109,8 +109,16 @@ class Tuner:
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
 
+    @staticmethod
+    def key(setting: Setting) -> tuple[tuple[str, int], ...]:
+        return tuple(sorted(setting.items()))
+
+    def points_of(self, setting: Setting) -> list[Point]:
+        """What `setting` measured so far (nothing if it was not)."""
+        return self.measured.get(self.key(setting), [])
+
     def measure(self, setting: Setting) -> list[Point]:
-        key = tuple(sorted(setting.items()))
+        key = self.key(setting)
         if key in self.measured:
             return self.measured[key]
         if (reason := invalid_reason(setting)) is not None or self.left_s() < MIN_POINT_SECONDS:
@@ -150,7 +158,7 @@ class Tuner:
         for flag, values in axes:
             for value in values:
                 candidate = {**best, flag: value}
-                if score(self.measure(candidate)) > score(self.measured.get(tuple(sorted(best.items())), [])):
+                if score(self.measure(candidate)) > score(self.points_of(best)):
                     best = candidate
         return best
 
@@ -181,7 +189,7 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.budget_minutes:g} min; start at the engine defaults: {setting_label(start)}", flush=True)
     best = tuner.search(start, axes)
     points = tuner.points()
-    best_score = score(tuner.measured.get(tuple(sorted(best.items())), []))
+    best_score = score(tuner.points_of(best))
     table = format_table(points, best if best_score > 0 else None, tuner.sla)
     print("\n" + table)
     for setting, reason in tuner.skipped:

@@ -14,6 +14,7 @@ ordinary (smaller) Linear.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -71,7 +72,6 @@ class ShardPlan:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The rank's own shapes (KV cache allocation)."""
-        import dataclasses
         return dataclasses.replace(cfg, num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
                                    intermediate_size=self.mlp[1] - self.mlp[0])
 
