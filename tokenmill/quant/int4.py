@@ -1,6 +1,6 @@
 """4-bit group-wise weights (rtn4, GPTQ, AWQ share this runtime form).
 
-Small M runs tokenmill's integer-dot kernel on CPUs with AVX512-VNNI (int_dot.py), else
+Small M runs tokenmill's integer-dot kernel on x86 CPUs with AVX512-VNNI or AVX2 (int_dot.py), else
 torch's packed int4 CPU kernel. Both want the group size to divide K (SmolLM2's 576 with group
 128 runs as group 64, see below; the tiled path zero-pads K instead), and act-order checkpoints
 get their input columns permuted once at load so groups are contiguous (x is permuted the same

@@ -1,4 +1,4 @@
-"""Small-M path for int4 and int8 weights on CPUs with AVX512-VNNI (csrc/int_dot_linear.cpp).
+"""Small-M path for int4 and int8 weights on CPUs with AVX512-VNNI or AVX2 (csrc/int_dot_linear.h).
 
 x is quantized per call to int8 in blocks (one scale per block: the int4 weight's group, or 64
 columns for per-channel int8) and multiplied with the weight codes in
@@ -28,7 +28,7 @@ ENABLED = os.environ.get("TOKENMILL_INT_DOT", "1") != "0"
 
 @functools.cache
 def int_dot_kernels() -> ModuleType | None:
-    """The compiled extension when this CPU has AVX512-VNNI, else None."""
+    """The compiled kernels when this CPU has AVX512-VNNI or AVX2, else None."""
     mod = kernel_family("int_dot_linear")
     return mod if mod is not None and mod.available() else None
 

@@ -26,13 +26,17 @@ from tokenmill.cpu_extension import cpu_flags
 #     48; int4 52.19/71.56 at 32, 108.93/122.45 at 64; nf4 36.38/41.95 at 16, 55.35/46.19 at 24
 _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
              "avx512": {"int8": 32, "int4": 64, "nf4": 16}}
-# tokenmill's integer-dot kernel (int_dot.py, AVX512-VNNI only) replaces torch's weight-only
-# kernels on those CPUs (the layer then holds no torch-packed copy). All SmolLM2 linears fed bf16,
-# 2-core Zen 4 EPYC, ms int_dot / torch kernel / tiled: int4 3.07 / 3.80 at M=1, 24.2 / 22.1 at
-# 16, 45.4 / 42.0 / 53.4 at 32, 88.7 / 91.9 / 71.3 at 64; int8 6.8 / 7.9 at M=1, 17.7 / 32.5 at
-# 16, 66.0 / 110.9 / 74.9 at 64 (x blocks of 192/256; the blocks of 64 kept for accuracy, see
-# int_dot.py, cost ~4 % at M=1 and ~20 % at 16). Above these rows the tiled GEMM takes over:
-_INT_DOT_MAX_ROWS = {"int8": 64, "int4": 32}
+# tokenmill's integer-dot kernel (int_dot.py) replaces torch's weight-only kernels where it is
+# built (the layer then holds no torch-packed copy); above these rows the tiled GEMM takes over.
+#   AVX512-VNNI: all SmolLM2 linears fed bf16, 2-core Zen 4 EPYC, ms int_dot / torch kernel /
+#     tiled: int4 3.07 / 3.80 at M=1, 24.2 / 22.1 at 16, 45.4 / 42.0 / 53.4 at 32, 88.7 / 91.9 /
+#     71.3 at 64; int8 6.8 / 7.9 at M=1, 17.7 / 32.5 at 16, 66.0 / 110.9 / 74.9 at 64 (x blocks
+#     of 192/256; the blocks of 64 kept for accuracy, see int_dot.py, cost ~4 % at M=1 and ~20 %
+#     at 16).
+#   AVX2 (vpmaddubsw; 2-core Zen 3 EPYC, fed fp32, ms int_dot / torch kernel / tiled): int4 3.93 /
+#     10.83 / 19.19 at M=1, 26.28 / 36.30 / 39.65 at 12, 50.85 / 45.94 / 44.14 at 16; int8 6.51 /
+#     15.26 / 23.01 at M=1, 23.23 / 43.62 / 39.79 at 12, 47.21 / 56.36 / 43.74 at 16.
+_INT_DOT_MAX_ROWS = {"avx512_vnni": {"int8": 64, "int4": 32}, "avx2": {"int8": 12, "int4": 12}}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)
@@ -50,9 +54,17 @@ def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
     return x.device.type == "cpu" and x.shape[0] <= limit
 
 
+@functools.cache
+def _int_dot_limits() -> dict[str, int]:
+    from tokenmill.quant.int_dot import int_dot_kernels   # int_dot imports this module
+    mod = int_dot_kernels()
+    return _INT_DOT_MAX_ROWS.get(mod.isa() if mod is not None else "", {"int8": 0, "int4": 0})
+
+
 def int_dot_max_rows(fmt: str) -> int:
-    """Rows M up to which `fmt` (int8 / int4) takes the integer-dot kernel."""
-    return _INT_DOT_MAX_ROWS[fmt] if _OVERRIDE is None else _OVERRIDE
+    """Rows M up to which `fmt` (int8 / int4) takes the integer-dot kernel (by the instruction
+    set it was built for)."""
+    return _int_dot_limits()[fmt] if _OVERRIDE is None else _OVERRIDE
 
 
 def use_int_dot_kernel(x: torch.Tensor, fmt: str) -> bool:

@@ -8,7 +8,7 @@
 // server's HTTP side can work during a step.
 //
 // A layer's linears are `Linear` objects built once from each module's own tensors: dense
-// (at::linear, any dtype) or, on AVX512-VNNI CPUs, the integer-dot int4 / int8 kernels.
+// (at::linear, any dtype) or, on AVX512-VNNI / AVX2 CPUs, the integer-dot int4 / int8 kernels.
 #include <torch/extension.h>
 
 #include <limits>
@@ -36,7 +36,7 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
-#ifdef TM_HAVE_VNNI
+#ifdef TM_HAVE_INT_DOT
       case Kind::Int4:
         return tokenmill::int_dot::int4_dot_linear(x, codes, scales, offsets, bias, perm, block);
       case Kind::Int8:
@@ -61,7 +61,7 @@ struct Linear {
     l.small_m = small_m && TM_DENSE_VECTORIZED;
     return l;
   }
-#ifdef TM_HAVE_VNNI
+#ifdef TM_HAVE_INT_DOT
   static Linear int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                      std::optional<torch::Tensor> bias, std::optional<torch::Tensor> perm, int64_t block,
                      int64_t max_rows) {
@@ -141,7 +141,7 @@ inline void bind(pybind11::module_ m) {
   namespace py = pybind11;
   py::class_<Linear>(m, "Linear")
       .def_static("dense", &Linear::dense, py::arg("weight"), py::arg("bias"), py::arg("small_m") = false)
-#ifdef TM_HAVE_VNNI
+#ifdef TM_HAVE_INT_DOT
       .def_static("int4", &Linear::int4, py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bias"),
                   py::arg("perm"), py::arg("block"), py::arg("max_rows"))
       .def_static("int8", &Linear::int8, py::arg("codes"), py::arg("row_scale"), py::arg("code_sums"),
@@ -158,7 +158,7 @@ inline void bind(pybind11::module_ m) {
       .def_property_readonly("max_rows", &DecoderStack::max_rows)
       .def("decode", &DecoderStack::decode, py::call_guard<py::gil_scoped_release>());
   m.def("has_int_dot", [] {
-#ifdef TM_HAVE_VNNI
+#ifdef TM_HAVE_INT_DOT
     return true;
 #else
     return false;

@@ -4,10 +4,11 @@
 namespace tokenmill::int_dot {
 
 inline void bind(pybind11::module_ m) {
-  m.def("available", &tokenmill::int_dot::available, "built with AVX512-VNNI (otherwise the module has no kernels)");
-#ifdef TM_HAVE_VNNI
-  m.def("int4_dot_linear", &tokenmill::int_dot::int4_dot_linear, "group-wise int4 weights x block-quantized int8 x (VNNI)");
-  m.def("int8_dot_linear", &tokenmill::int_dot::int8_dot_linear, "per-channel int8 weights x block-quantized int8 x (VNNI)");
+  m.def("available", &tokenmill::int_dot::available, "built with AVX512-VNNI or AVX2 (otherwise the module has no kernels)");
+  m.def("isa", &tokenmill::int_dot::isa, "the instruction set the kernels use: avx512_vnni, avx2 or empty");
+#ifdef TM_HAVE_INT_DOT
+  m.def("int4_dot_linear", &tokenmill::int_dot::int4_dot_linear, "group-wise int4 weights x block-quantized int8 x");
+  m.def("int8_dot_linear", &tokenmill::int_dot::int8_dot_linear, "per-channel int8 weights x block-quantized int8 x");
 #endif
 }
 
