@@ -135,6 +135,7 @@ def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, help="target's load-time quantization (int8 | rtn4 | nf4)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the target's lm_head too")
     p.add_argument("--draft-quantization", default=None, help="draft's load-time quantization")
     p.add_argument("--draft-quantize-lm-head", action="store_true", help="quantize the draft's lm_head too")
     p.add_argument("--llama-server", default="llama-cpp-server", help="llama-server binary for llama.cpp variants")
