@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 from tokenmill.engine.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.config import SpeculativeConfig
+from tokenmill.spec.costs import linear_costs
 from tokenmill.spec.ngram import propose_ngram
 from tokenmill.spec.rejection import sample_from, verify_drafts
 
@@ -205,25 +206,46 @@ def test_sampler_probs_greedy_and_penalties_and_min_tokens():
 # ---- adaptive draft length -------------------------------------------------------------------
 def test_best_k_follows_acceptance_and_cost():
     from tokenmill.spec.adaptive import best_k
-    assert best_k([0.95] * 8, 0.1) == 8           # a draft that is nearly always right: draft long
-    assert best_k([0.05] * 8, 0.1) == 1           # nearly always wrong: one draft only
-    assert best_k([0.8] * 8, 0.3) < best_k([0.8] * 8, 0.05)     # costlier drafts: shorter
-    ks = [best_k([a / 10] * 8, 0.2) for a in range(10)]
+    c = lambda per_draft: linear_costs(8, per_draft)
+    assert best_k([0.95] * 8, c(0.1)) == 8        # a draft that is nearly always right: draft long
+    assert best_k([0.05] * 8, c(0.1)) == 0        # nearly always wrong: no drafts at all
+    assert best_k([0.05] * 8, c(0.1), min_k=1) == 1
+    assert best_k([0.3] * 8, c(0.1)) == 1         # right now and then: one draft pays
+    assert best_k([0.8] * 8, c(0.3)) < best_k([0.8] * 8, c(0.05))     # costlier drafts: shorter
+    ks = [best_k([a / 10] * 8, c(0.2)) for a in range(10)]
     assert ks == sorted(ks)                       # never shorter for a better acceptance
     # bursty: the first draft is a coin flip, but once it is right the rest follow
-    assert best_k([0.5, 0.98, 0.98, 0.98], 0.25) == 4 and best_k([0.5] * 4, 0.25) == 1
+    q = [0.5, 0.98, 0.98, 0.98]
+    assert best_k(q, linear_costs(4, 0.25)) == 4 and best_k([0.5] * 4, linear_costs(4, 0.25)) == 1
+    # measured, not linear: the second verified row is cheap, the third and later ones are not
+    # (a quantized target's integer kernels on an AVX2 CPU)
+    assert best_k([0.9] * 4, [1.0, 1.1, 1.2, 2.6, 3.0]) == 2
+
+
+def test_round_costs_from_measured_steps():
+    from tokenmill.spec.costs import round_costs
+    costs = round_costs({1: 0.040, 2: 0.044, 3: 0.060}, draft_seconds=0.010, max_k=2)
+    assert costs == pytest.approx([1.0, (0.044 + 0.010) / 0.040, (0.060 + 0.020) / 0.040])
 
 
 def test_tracker_learns_each_requests_acceptance():
     from tokenmill.spec.adaptive import AcceptanceTracker
-    t = AcceptanceTracker(max_k=6, cost=0.2)
+    t = AcceptanceTracker(max_k=6, costs=linear_costs(6, 0.2))
     assert t.choose(1) >= 3                       # optimistic prior: long drafts get tried
     for _ in range(10):
         t.record(1, 6, 6)        # request 1: every draft accepted
         t.record(2, 6, 0)        # request 2: the first draft always rejected
-    assert t.choose(1) == 6 and t.choose(2) == 1
+    assert t.choose(1) == 6 and t.choose(2) == 0     # request 2: drafting does not pay
     q1, q2 = t.conditional_acceptance(1), t.conditional_acceptance(2)
     assert q1[0] > 0.8 and q2[0] < 0.3
     assert q2[1] == t.pooled()[1] < q1[1]         # request 2 never tested position 2: it borrows the pool
     t.forget(2)
     assert t.conditional_acceptance(2) == t.pooled()
+
+
+def test_tracker_probes_a_request_that_stopped_drafting():
+    from tokenmill.spec.adaptive import AcceptanceTracker
+    t = AcceptanceTracker(max_k=4, costs=[1.0, 1.6, 2.2, 2.8, 3.4], probe_every=3)   # drafts rarely pay
+    for _ in range(10):
+        t.record(7, 4, 0)
+    assert [t.choose(7) for _ in range(6)] == [0, 0, 1, 0, 0, 1]   # every third round: one draft

@@ -24,7 +24,6 @@ from tokenmill.bench.report import write_json
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.build import VERIFY_ROW_COST
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.decoder import SpeculativeDecoder
 from tokenmill.spec.proposers import NgramProposer
@@ -73,12 +72,14 @@ def _decoders(engine: LLMEngine, variants: list[SpecVariant], args) -> dict[str,
         elif v.method == "ngram":
             cfg = SpeculativeConfig("ngram", v.k, prompt_lookup_min=args.prompt_lookup_min,
                                     prompt_lookup_max=args.prompt_lookup_max, adaptive_k=v.adaptive)
-            out[v.label] = SpeculativeDecoder(cfg, NgramProposer(cfg), engine.sampler, engine.max_model_len,
-                                              draft_cost=VERIFY_ROW_COST)
+            out[v.label] = SpeculativeDecoder(cfg, NgramProposer(cfg), engine.sampler, engine.max_model_len)
         else:           # every draft variant shares the engine's draft model and its KV pool
             cfg = dataclasses.replace(engine.spec.config, num_speculative_tokens=v.k, adaptive_k=v.adaptive)
             out[v.label] = SpeculativeDecoder(cfg, engine.spec.proposer, engine.sampler, engine.max_model_len,
                                               draft_cost=engine.spec.draft_cost)
+        costs = out[v.label].calibrate(engine.runner, engine.block_manager) if out[v.label] else None
+        if costs:
+            _log(f"{v.label}: round cost by k (in plain steps) " + " ".join(f"{c:.2f}" for c in costs))
     return out
 
 

@@ -95,6 +95,10 @@ class LLMEngine:
         self.sampler = Sampler(model_cfg.vocab_size, eos_token_ids=self.eos_token_ids, seed=config.seed)
         self.spec = build_speculative_decoder(config, self.sampler, model_cfg, self.device, self.dtype,
                                               self.max_model_len, self.runner.kv_cache_bytes, self.runner.weight_bytes)
+        costs = self.spec.calibrate(self.runner, self.block_manager) if self.spec is not None else None
+        if costs:
+            log.info("speculative decoding, adaptive k: a round with k = 0..%d drafts costs %s plain steps "
+                     "(measured)", len(costs) - 1, " ".join(f"{c:.2f}" for c in costs))
         self.requests: dict[str, Request] = {}
         self._seq_to_request: dict[int, Request] = {}
         log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache of %d-token blocks: %s", config.model,

@@ -5,8 +5,10 @@ the draft is most likely right again: acceptance is bursty, not an independent c
 (the i.i.d. model of Leviathan et al. picked k = 2-3 on Qwen2.5-Coder where k = 4 measured
 faster). So the tracker estimates the conditional acceptance q_j = P(draft j accepted | 1..j-1
 accepted) per position, and k drafts are worth E(k) = 1 + sum_{j<=k} q_1 ... q_j tokens per
-verification round, which costs 1 + k c target-step equivalents (c: one draft step plus one more
-verified row, relative to a target step). The chosen k in [1, K] maximises E(k) / (1 + k c).
+verification round, which costs C(k) plain target steps (k draft steps plus a target step over
+1 + k rows; measured at start-up, spec/costs.py). The chosen k in [0, K] maximises E(k) / C(k);
+k = 0 (no drafts: E = C = 1) wins where speculation does not pay on this machine or for this
+request's text, and such a request tries drafting again every `probe_every` rounds.
 
 Estimates are decayed counts, so they follow the request as its text changes (prose after code).
 A request without history borrows the pooled estimate of all requests, which itself starts from
@@ -17,14 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def best_k(q: list[float], cost: float) -> int:
-    """k in [1, len(q)] maximising expected tokens (1 + sum of prefix products of q) per cost."""
-    best, best_rate, reach, tokens = 1, 0.0, 1.0, 1.0
+def best_k(q: list[float], costs: list[float], min_k: int = 0) -> int:
+    """k in [min_k, len(q)] maximising expected tokens (1 + sum of prefix products of q) per
+    round cost costs[k] (costs[0] = 1: a plain step)."""
+    best, best_rate, reach, tokens = 0, 1.0 / costs[0] if min_k == 0 else 0.0, 1.0, 1.0
     for k, qk in enumerate(q, start=1):
         reach *= min(max(qk, 0.0), 1.0)
         tokens += reach
-        rate = tokens / (1 + k * cost)
-        if rate > best_rate:
+        rate = tokens / costs[k]
+        if k >= min_k and rate > best_rate:
             best, best_rate = k, rate
     return best
 
@@ -50,13 +53,15 @@ class _Counts:
 @dataclass(slots=True)
 class AcceptanceTracker:
     max_k: int
-    cost: float                      # c above
+    costs: list[float]               # C(k) above, k = 0..max_k
     prior_q: float = 0.8             # optimistic: untested positions look worth a try
     prior_weight: float = 2.0        # rounds an estimate borrows from the level above
     decay: float = 0.8               # per round of a request: recent rounds dominate
     pool_decay: float = 0.99         # per round, for the pooled estimate
+    probe_every: int = 8             # rounds without drafts before a request tries again
     _pool: _Counts = field(init=False)
     _seqs: dict[int, _Counts] = field(default_factory=dict)
+    _idle: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._pool = _Counts.empty(self.max_k)
@@ -74,7 +79,16 @@ class AcceptanceTracker:
         return [(a + p * w) / (t + w) for a, t, p in zip(own.accepted, own.tested, pool)]
 
     def choose(self, seq_id: int) -> int:
-        return best_k(self.conditional_acceptance(seq_id), self.cost)
+        q = self.conditional_acceptance(seq_id)
+        k = best_k(q, self.costs)
+        if k:
+            self._idle.pop(seq_id, None)
+            return k
+        idle = self._idle[seq_id] = self._idle.get(seq_id, 0) + 1
+        if idle < self.probe_every:
+            return 0
+        self._idle[seq_id] = 0        # its text may have changed: measure the draft again
+        return best_k(q, self.costs, min_k=1)
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         self._seqs.setdefault(seq_id, _Counts.empty(self.max_k)).add(proposed, accepted, self.decay)
@@ -82,3 +96,4 @@ class AcceptanceTracker:
 
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self._idle.pop(seq_id, None)

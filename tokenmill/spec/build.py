@@ -6,12 +6,9 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.engine.sampler import Sampler
 from tokenmill.spec.config import SpeculativeConfig
+from tokenmill.spec.costs import VERIFY_ROW_COST
 from tokenmill.spec.decoder import SpeculativeDecoder
 from tokenmill.spec.proposers import NgramProposer, Proposer
-
-# the cost of one more verified row relative to a target decode step (memory-bound: the weights
-# are read once for all rows; the rows add activation and attention work)
-VERIFY_ROW_COST = 0.02
 
 
 def build_speculative_decoder(config: EngineConfig, sampler: Sampler, target: ModelConfig, device: torch.device,
@@ -27,6 +24,7 @@ def build_speculative_decoder(config: EngineConfig, sampler: Sampler, target: Mo
     else:
         from tokenmill.spec.draft_model import DraftModelProposer
         proposer = DraftModelProposer(config, spec, sampler, target, device, dtype, max_model_len, target_kv_bytes)
-        # decode streams the weights: a draft step costs about its share of the bytes
+        # until measured (adaptive k, SpeculativeDecoder.calibrate): decode streams the weights,
+        # so a draft step costs about its share of the bytes
         cost += proposer.runner.weight_bytes / target_weight_bytes
     return SpeculativeDecoder(spec, proposer, sampler, max_model_len, draft_cost=cost)

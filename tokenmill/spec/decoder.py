@@ -11,6 +11,7 @@ rejected drafts and the blocks they alone occupied are freed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +19,14 @@ from tokenmill.engine.sampler import Sampler, gather_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence, TokenLogprobs
 from tokenmill.spec.adaptive import AcceptanceTracker
+from tokenmill.spec.costs import VERIFY_ROW_COST, linear_costs, round_costs, step_seconds
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.proposers import Proposer
 from tokenmill.spec.rejection import verify_drafts
+
+if TYPE_CHECKING:
+    from tokenmill.engine.block_manager import BlockManager
+    from tokenmill.engine.model_runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -77,17 +83,30 @@ class SpecStats:
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, sampler: Sampler, max_model_len: int,
-                 draft_cost: float = 0.0) -> None:
+                 draft_cost: float = VERIFY_ROW_COST) -> None:
         """draft_cost: one draft step plus one extra verified row, as a fraction of a target
-        step; adaptive k weighs it against the expected accepted tokens."""
+        step: the round costs adaptive k assumes until `calibrate` measures them."""
         self.config = config
         self.proposer = proposer
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self.draft_cost = draft_cost
-        self.tracker = AcceptanceTracker(config.num_speculative_tokens, draft_cost) if config.adaptive_k else None
+        k = config.num_speculative_tokens
+        self.tracker = AcceptanceTracker(k, linear_costs(k, draft_cost)) if config.adaptive_k else None
         self._draft_probs: dict[int, torch.Tensor] = {}
+
+    def calibrate(self, target: "ModelRunner", target_blocks: "BlockManager") -> list[float] | None:
+        """Adaptive k: time the target over 1..K+1 rows and one draft step on this machine and
+        size drafts by those round costs (spec/costs.py). Returns them (None: nothing to do)."""
+        if self.tracker is None:
+            return None
+        k = self.config.num_speculative_tokens
+        target_s = step_seconds(target, target_blocks, list(range(1, k + 2)))
+        if not target_s:
+            return None
+        self.tracker.costs = round_costs(target_s, self.proposer.step_seconds(), k)
+        return self.tracker.costs
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts a sequence may take: every accepted one plus the sampled token must fit its

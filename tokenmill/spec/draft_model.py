@@ -22,6 +22,7 @@ from tokenmill.model.loader import checkpoint_quant_config, load_model_weights, 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
 from tokenmill.spec.config import SpeculativeConfig
+from tokenmill.spec.costs import step_seconds
 from tokenmill.spec.decoder import DraftView
 from tokenmill.spec.proposers import Proposal
 from tokenmill.spec.rejection import sample_from
@@ -64,6 +65,10 @@ class DraftModelProposer:
         self.shadows: dict[int, Sequence] = {}
         log.info("speculative draft %s (%s, %d layers): KV cache %d blocks", spec.model, model_cfg.architecture,
                  model_cfg.num_layers, self.runner.num_blocks)
+
+    def step_seconds(self) -> float:
+        """One draft forward over one row (a decode step of the draft), timed."""
+        return step_seconds(self.runner, self.block_manager, [1]).get(1, 0.0)
 
     def forget(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)

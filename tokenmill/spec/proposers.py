@@ -23,6 +23,9 @@ class Proposer(Protocol):
     def retain(self, live: set[int]) -> None:
         """Only these seq ids still run (the others were preempted): drop the rest."""
 
+    def step_seconds(self) -> float:
+        """What proposing one more token costs per round, measured (adaptive k weighs it)."""
+
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -36,3 +39,6 @@ class NgramProposer:
 
     def retain(self, live: set[int]) -> None:
         pass
+
+    def step_seconds(self) -> float:
+        return 0.0               # a list search, next to a forward pass
