@@ -140,8 +140,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
                     **({"quantize_lm_head": True} if args.draft_quantize_lm_head else {})}
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                     kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-                                    quantize_lm_head=args.quantize_lm_head, num_threads=args.threads, enable_prefix_caching=False,
-                                    speculative_config=spec_cfg))
+                                    quantize_lm_head=args.quantize_lm_head, num_threads=args.threads,
+                                    enable_prefix_caching=False, speculative_config=spec_cfg))
     decoders = _decoders(engine, variants, args)
     tok = engine.tokenizer
     texts = CODE_PROMPTS[:args.num_prompts]

@@ -33,7 +33,7 @@ _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
 #     71.3 at 64; int8 6.8 / 7.9 at M=1, 17.7 / 32.5 at 16, 66.0 / 110.9 / 74.9 at 64 (x blocks
 #     of 192/256; the blocks of 64 kept for accuracy, see int_dot.py, cost ~4 % at M=1 and ~20 %
 #     at 16).
-#   AVX2 (vpmaddubsw; 2-core Zen 3 EPYC, fed fp32, ms int_dot / torch kernel / tiled): int4 3.93 /
+#   AVX2 (vpmaddubsw; 2-core AVX2-only EPYC, fed fp32, ms int_dot / torch kernel / tiled): int4 3.93 /
 #     10.83 / 19.19 at M=1, 26.28 / 36.30 / 39.65 at 12, 50.85 / 45.94 / 44.14 at 16; int8 6.51 /
 #     15.26 / 23.01 at M=1, 23.23 / 43.62 / 39.79 at 12, 47.21 / 56.36 / 43.74 at 16.
 _INT_DOT_MAX_ROWS = {"avx512_vnni": {"int8": 64, "int4": 32}, "avx2": {"int8": 12, "int4": 12}}
