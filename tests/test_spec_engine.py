@@ -156,9 +156,12 @@ def test_disable_by_batch_size_turns_speculation_off(tiny_dir):
     spec = LLM(model=tiny_dir, dtype="float32", max_model_len=128, kv_cache_memory=KV,
                speculative_config={**NGRAM, "disable_by_batch_size": 2})
     _gen(spec, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert spec.engine.spec.stats.num_drafts == 0          # 3 running > 2 throughout
+    stats = spec.engine.spec.stats
+    assert stats.num_drafts == 0          # 3 running > 2 throughout
+    assert stats.num_disabled_steps == stats.num_decode_steps > 0
+    disabled = stats.num_disabled_steps
     _gen(spec, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    assert spec.engine.spec.stats.num_drafts > 0
+    assert stats.num_drafts > 0 and stats.num_disabled_steps == disabled
 
 
 def test_cli_flag_takes_json_and_bad_config_fails_at_start(tiny_dir):

@@ -8,6 +8,17 @@ DEFAULT_JSON = "benchmarks/results/throughput.json"
 SCHEDULER_EXPERIMENTS = ("prefix", "multiturn", "interference", "priority")   # scheduler_bench.EXPERIMENTS
 
 
+def positive_int_list(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]; an argparse type, so a bad list is a usage error."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1, got {text!r}")
+    return values
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
     p = sub.add_parser("throughput", help="offline ShareGPT throughput: tokenmill vs HF transformers generate")
@@ -132,6 +143,8 @@ def _add_quality_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-set", choices=("code", "mixed"), default="code",
                    help="code tasks, or code and prose alternating (where adaptive k matters)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=positive_int_list, default=[1],
+                   help="comma list of stream counts, e.g. 1,2,4,8,16 (closed loop; llama.cpp variants at 1 only)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, help="target's load-time quantization (int8 | rtn4 | nf4)")

@@ -61,6 +61,8 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_decode_steps: int = 0         # steps with >= 1 decoding sequence
+    num_disabled_steps: int = 0       # of those, steps above `disable_by_batch_size` (no drafts)
 
     @property
     def acceptance_rate(self) -> float:
@@ -128,8 +130,11 @@ class SpeculativeDecoder:
             seq.spec_token_ids = []
             if seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens:
                 decoding.append(seq)
+        if decoding:
+            self.stats.num_decode_steps += 1
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
+            self.stats.num_disabled_steps += bool(decoding)
             return
         budgets = [self._budget(s) for s in decoding]
         seqs = [s for s, k in zip(decoding, budgets) if k]
