@@ -158,10 +158,9 @@ def test_disable_by_batch_size_turns_speculation_off(tiny_dir):
     _gen(spec, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     stats = spec.engine.spec.stats
     assert stats.num_drafts == 0          # 3 running > 2 throughout
-    assert stats.num_disabled_steps == stats.num_decode_steps > 0
-    disabled = stats.num_disabled_steps
+    assert stats.num_draft_steps == 0 < stats.num_decode_steps
     _gen(spec, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    assert stats.num_drafts > 0 and stats.num_disabled_steps == disabled
+    assert stats.num_drafts > 0 and 0 < stats.num_draft_steps <= stats.num_decode_steps
 
 
 def test_cli_flag_takes_json_and_bad_config_fails_at_start(tiny_dir):
@@ -277,14 +276,18 @@ def test_adaptive_k_stays_exact_and_sizes_drafts_by_cost_and_acceptance(tiny_dir
                   speculative_config={**cfg, "adaptive_k": True})
         costs, bm = llm.engine.spec.tracker.costs, llm.engine.block_manager
         assert len(costs) == 7 and costs[0] == 1.0 and costs != [1 + k * 0.02 for k in range(7)]   # measured
+        batch_costs = llm.engine.spec.tracker.batch_costs                # and per batch, up to 16
+        assert sorted(batch_costs) == list(range(2, 17))
+        assert all(len(c) == 7 and c[0] == 1.0 for c in batch_costs.values())
         assert bm.num_free_blocks == bm.num_blocks           # the timing probe gave its blocks back
         assert _ids(_gen(llm, PROMPTS, params)) == want
         stats = llm.engine.spec.stats
-        mean_draft[name] = stats.num_draft_tokens / stats.num_drafts
+        mean_draft[name] = stats.num_draft_tokens / max(stats.num_drafts, 1)
         rounds[name] = stats.num_drafts
     # n-gram drafts are nearly free and often right here: long drafts; the unrelated draft model
     # costs about a target step per draft and is always rejected: after the first rounds it
-    # stops drafting, but for a one-token probe every few rounds
+    # stops drafting, but for a one-token probe every few rounds (or it never drafts: with the
+    # six prompts decoding together even a good draft at that cost does not pay)
     assert mean_draft["ngram"] > 2.0 and mean_draft["other"] < 1.5, mean_draft
     assert rounds["other"] < 0.4 * 40 * len(PROMPTS), rounds
 

@@ -228,6 +228,36 @@ def test_round_costs_from_measured_steps():
     assert costs == pytest.approx([1.0, (0.044 + 0.010) / 0.040, (0.060 + 0.020) / 0.040])
 
 
+def test_step_times_interpolate_and_batch_costs_grow_with_the_batch():
+    from tokenmill.spec.adaptive import best_k
+    from tokenmill.spec.costs import probe_rows, round_costs, seconds_at
+    assert probe_rows(4, 16) == [1, 2, 3, 4, 5, 10, 20, 40, 80] and probe_rows(3, 1) == [1, 2, 3, 4]
+    # memory-bound up to 4 rows, then linear in rows (compute-bound)
+    t = {1: 0.040, 2: 0.041, 4: 0.044, 8: 0.080, 16: 0.160}
+    assert seconds_at(t, 3) == pytest.approx(0.0425) and seconds_at(t, 12) == pytest.approx(0.120)
+    assert seconds_at(t, 32) == pytest.approx(0.320)             # beyond the last two: their line
+    draft = {1: 0.004, 2: 0.004, 8: 0.006}
+    one = round_costs(t, draft, 3)
+    assert one == pytest.approx([1.0, (0.041 + 0.004) / 0.040, (seconds_at(t, 3) + 0.008) / 0.040,
+                                 (0.044 + 0.012) / 0.040])
+    wide = round_costs(t, draft, 3, batch=8)                     # 8 sequences: 16-32 verified rows
+    assert wide == pytest.approx([1.0, (0.160 + 0.006) / 0.080, (0.240 + 0.012) / 0.080, (0.320 + 0.018) / 0.080])
+    assert best_k([0.8] * 3, one) == 3 and best_k([0.8] * 3, wide) == 0
+
+
+def test_tracker_drafts_by_the_batch_and_stops_probing_where_drafts_cannot_pay():
+    from tokenmill.spec.adaptive import AcceptanceTracker
+    cheap, dear = [1.0, 1.05, 1.1, 1.15], [1.0, 2.0, 3.0, 4.0]
+    t = AcceptanceTracker(max_k=3, costs=cheap, batch_costs={2: cheap, 4: dear}, probe_every=2)
+    assert t.costs_at(1) is cheap and t.costs_at(2) is cheap and t.costs_at(9) is dear   # widest beyond it
+    assert t.choose(1, batch=1) == 3 and t.choose(1, batch=4) == 0
+    assert t.pays_at(2) and not t.pays_at(4)
+    for _ in range(10):
+        t.record(5, 3, 0)          # request 5's drafts are always rejected
+    assert [t.choose(5, batch=1) for _ in range(4)] == [0, 1, 0, 1]     # alone: it probes now and then
+    assert [t.choose(5, batch=4) for _ in range(4)] == [0, 0, 0, 0]     # in a wide batch: never
+
+
 def test_tracker_learns_each_requests_acceptance():
     from tokenmill.spec.adaptive import AcceptanceTracker
     t = AcceptanceTracker(max_k=6, costs=linear_costs(6, 0.2))

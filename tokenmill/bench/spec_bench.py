@@ -11,7 +11,8 @@ median of the per-repeat ratios to "none", acceptance rate and mean acceptance l
 `--concurrency 1,2,4,8,16` repeats that for c streams in a closed loop (a new request enters as
 one finishes; max(num_prompts, c) requests per point), which draws the throughput-vs-
 concurrency curve; a variant like `draft:4/b4` sets `disable_by_batch_size` 4, and the "off %"
-column is the share of decode steps where that switched speculation off.
+column is the share of decode steps in which no sequence drafted (switched off by that limit, or
+by adaptive k where the measured round costs at that batch say drafts do not pay).
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def _decoders(engine: LLMEngine, variants: list[SpecVariant], args) -> dict[str,
                                               draft_cost=engine.spec.draft_cost)
         costs = out[v.label].calibrate(engine.runner, engine.block_manager) if out[v.label] else None
         if costs:
-            _log(f"{v.label}: round cost by k (in plain steps) " + " ".join(f"{c:.2f}" for c in costs))
+            _log(f"{v.label}: round cost by k (in plain steps) " + " ".join(f"{c:.2f}" for c in costs) +
+                 f"; drafts pay up to {out[v.label].max_paying_batch()} decoding sequences")
     return out
 
 
@@ -130,7 +132,8 @@ class LlamaServerSpec:
         self.server.stop()
 
 
-def _run_prompts(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int = 1) -> tuple[int, float]:
+def _run_prompts(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+                 concurrency: int = 1) -> tuple[int, float]:
     """Closed loop: `concurrency` requests in flight, the next prompt enters as one finishes."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tokens, in_flight, t0 = 0, 0, time.perf_counter()
@@ -163,7 +166,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                     kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
                                     quantize_lm_head=args.quantize_lm_head, num_threads=args.threads,
-                                    enable_prefix_caching=False, speculative_config=spec_cfg))
+                                    enable_prefix_caching=False, speculative_config=spec_cfg,
+                                    max_num_seqs=max(args.concurrency)))     # every stream runs at once
     decoders = _decoders(engine, variants, args)
     tok = engine.tokenizer
     texts = CODE_PROMPTS[:args.num_prompts]
@@ -211,9 +215,11 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
                         steps = st.num_decode_steps - before.num_decode_steps
                         r["accept"].append(accepted / proposed if proposed else 0.0)
                         r["mean_len"].append(1 + accepted / drafts if drafts else 1.0)
-                        r["off"].append((st.num_disabled_steps - before.num_disabled_steps) / steps if steps else 0.0)
+                        drafting = st.num_draft_steps - before.num_draft_steps
+                        r["off"].append(1 - drafting / steps if steps else 0.0)
                 r["tok_s"].append(tokens / secs)
-                _log(f"{c} stream(s), repeat {rep + 1} {label}: {tokens} tokens in {secs:.1f} s = {tokens / secs:.2f} tok/s")
+                _log(f"{c} stream(s), repeat {rep + 1} {label}: {tokens} tokens in {secs:.1f} s = "
+                     f"{tokens / secs:.2f} tok/s")
     for anchor in anchors.values():
         anchor.close()
     print(f"\n{'streams':>7} {'variant':<16} {'tok/s':>9} {'vs none':>8} {'accept %':>9} {'mean len':>9} {'off %':>6}")

@@ -98,7 +98,8 @@ class LLMEngine:
         costs = self.spec.calibrate(self.runner, self.block_manager) if self.spec is not None else None
         if costs:
             log.info("speculative decoding, adaptive k: a round with k = 0..%d drafts costs %s plain steps "
-                     "(measured)", len(costs) - 1, " ".join(f"{c:.2f}" for c in costs))
+                     "(measured); drafts pay up to %d decoding sequences", len(costs) - 1,
+                     " ".join(f"{c:.2f}" for c in costs), self.spec.max_paying_batch())
         self.requests: dict[str, Request] = {}
         self._seq_to_request: dict[int, Request] = {}
         log.info("model %s (%s) on %s %s: loaded in %.1fs; KV cache of %d-token blocks: %s", config.model,

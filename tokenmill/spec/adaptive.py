@@ -8,7 +8,9 @@ accepted) per position, and k drafts are worth E(k) = 1 + sum_{j<=k} q_1 ... q_j
 verification round, which costs C(k) plain target steps (k draft steps plus a target step over
 1 + k rows; measured at start-up, spec/costs.py). The chosen k in [0, K] maximises E(k) / C(k);
 k = 0 (no drafts: E = C = 1) wins where speculation does not pay on this machine or for this
-request's text, and such a request tries drafting again every `probe_every` rounds.
+request's text, and such a request tries drafting again every `probe_every` rounds. C(k) is
+taken at the step's batch (b sequences decoding: b (1 + k) verified rows), so past the batch
+where even a good draft stops paying, nobody drafts, and nobody probes either.
 
 Estimates are decayed counts, so they follow the request as its text changes (prose after code).
 A request without history borrows the pooled estimate of all requests, which itself starts from
@@ -53,7 +55,8 @@ class _Counts:
 @dataclass(slots=True)
 class AcceptanceTracker:
     max_k: int
-    costs: list[float]               # C(k) above, k = 0..max_k
+    costs: list[float]               # C(k) above, k = 0..max_k, one sequence decoding
+    batch_costs: dict[int, list[float]] = field(default_factory=dict)   # the same for b >= 2 sequences
     prior_q: float = 0.8             # optimistic: untested positions look worth a try
     prior_weight: float = 2.0        # rounds an estimate borrows from the level above
     decay: float = 0.8               # per round of a request: recent rounds dominate
@@ -78,17 +81,30 @@ class AcceptanceTracker:
         w = self.prior_weight
         return [(a + p * w) / (t + w) for a, t, p in zip(own.accepted, own.tested, pool)]
 
-    def choose(self, seq_id: int) -> int:
+    def costs_at(self, batch: int) -> list[float]:
+        """C(k) with `batch` sequences decoding (the widest measured batch beyond it)."""
+        if batch <= 1 or not self.batch_costs:
+            return self.costs
+        return self.batch_costs[min(batch, max(self.batch_costs))]
+
+    def pays_at(self, batch: int) -> bool:
+        """Whether a draft as good as the prior (q = prior_q at every position) pays at this batch."""
+        return best_k([self.prior_q] * self.max_k, self.costs_at(batch)) > 0
+
+    def choose(self, seq_id: int, batch: int = 1) -> int:
+        costs = self.costs_at(batch)
         q = self.conditional_acceptance(seq_id)
-        k = best_k(q, self.costs)
+        k = best_k(q, costs)
         if k:
             self._idle.pop(seq_id, None)
             return k
+        if not self.pays_at(batch):
+            return 0                  # the batch, not this request's text, rules drafts out
         idle = self._idle[seq_id] = self._idle.get(seq_id, 0) + 1
         if idle < self.probe_every:
             return 0
         self._idle[seq_id] = 0        # its text may have changed: measure the draft again
-        return best_k(q, self.costs, min_k=1)
+        return best_k(q, costs, min_k=1)
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         self._seqs.setdefault(seq_id, _Counts.empty(self.max_k)).add(proposed, accepted, self.decay)

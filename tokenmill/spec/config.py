@@ -14,8 +14,10 @@ class SpeculativeConfig:
     prompt_lookup_min, are searched for earlier in the sequence; the tokens that followed are the
     proposal). method "draft_model": a smaller model with the same tokenizer (`model`) proposes.
     `adaptive_k` (tokenmill's extension): each request drafts the k that its own running acceptance
-    makes most profitable, up to num_speculative_tokens. `disable_by_batch_size`: no speculation in a step with more running sequences than this
-    (verification costs more than it saves once the batch alone keeps the matmuls busy)."""
+    and the measured round costs at the step's batch make most profitable, up to
+    num_speculative_tokens. `disable_by_batch_size`: no speculation in a step with more running
+    sequences than this (verification costs more than it saves once the batch alone keeps the
+    matmuls busy)."""
 
     method: str
     num_speculative_tokens: int
@@ -27,7 +29,7 @@ class SpeculativeConfig:
     quantization: str | None = None            # the draft's load-time quantization: int8 | rtn4 | nf4
     quantize_lm_head: bool = False             # the draft's lm_head too (a 0.5B draft's 152k-row head is
                                                # most of its step in fp32)
-    adaptive_k: bool = False                   # per-request k in [1, num_speculative_tokens] (spec/adaptive.py)
+    adaptive_k: bool = False                   # per-request k in [0, num_speculative_tokens] (spec/adaptive.py)
 
     def __post_init__(self) -> None:
         def check(cond: bool, msg: str) -> None:

@@ -19,7 +19,7 @@ from tokenmill.engine.sampler import Sampler, gather_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence, TokenLogprobs
 from tokenmill.spec.adaptive import AcceptanceTracker
-from tokenmill.spec.costs import VERIFY_ROW_COST, linear_costs, round_costs, step_seconds
+from tokenmill.spec.costs import VERIFY_ROW_COST, linear_costs, probe_rows, round_costs, step_seconds
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.proposers import Proposer
 from tokenmill.spec.rejection import verify_drafts
@@ -27,6 +27,10 @@ from tokenmill.spec.rejection import verify_drafts
 if TYPE_CHECKING:
     from tokenmill.engine.block_manager import BlockManager
     from tokenmill.engine.model_runner import ModelRunner
+
+
+# Adaptive k times verification shapes up to this many decoding sequences; wider batches use its costs.
+MAX_CALIBRATED_BATCH = 16
 
 
 @dataclass(slots=True)
@@ -62,7 +66,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     num_decode_steps: int = 0         # steps with >= 1 decoding sequence
-    num_disabled_steps: int = 0       # of those, steps above `disable_by_batch_size` (no drafts)
+    num_draft_steps: int = 0          # of those, steps in which >= 1 sequence drafted
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,25 +103,40 @@ class SpeculativeDecoder:
         self._draft_probs: dict[int, torch.Tensor] = {}
 
     def calibrate(self, target: "ModelRunner", target_blocks: "BlockManager") -> list[float] | None:
-        """Adaptive k: time the target over 1..K+1 rows and one draft step on this machine and
-        size drafts by those round costs (spec/costs.py). Returns them (None: nothing to do)."""
+        """Adaptive k: time the target over 1..K+1 rows and on to the widest batch's verification,
+        and draft steps over 1..that batch's rows, on this machine, and size drafts by those round
+        costs per batch (spec/costs.py). Returns the one-sequence costs (None: nothing to do)."""
         if self.tracker is None:
             return None
         k = self.config.num_speculative_tokens
-        target_s = step_seconds(target, target_blocks, list(range(1, k + 2)))
+        max_batch = min(self.config.disable_by_batch_size or MAX_CALIBRATED_BATCH, MAX_CALIBRATED_BATCH)
+        rows = probe_rows(k, max_batch)
+        target_s = step_seconds(target, target_blocks, rows[:k + 1], max_model_len=self.max_model_len)
         if not target_s:
             return None
-        self.tracker.costs = round_costs(target_s, self.proposer.step_seconds(), k)
+        target_s |= step_seconds(target, target_blocks, rows[k + 1:], repeats=1, max_model_len=self.max_model_len)
+        batches = sorted({1, max_batch} | {b for b in (2, 4, 8) if b < max_batch})
+        draft_s = self.proposer.step_seconds(batches) or {1: 0.0}
+        self.tracker.costs = round_costs(target_s, draft_s, k)
+        self.tracker.batch_costs = {b: round_costs(target_s, draft_s, k, b) for b in range(2, max_batch + 1)}
         return self.tracker.costs
 
-    def _budget(self, seq: Sequence) -> int:
+    def max_paying_batch(self) -> int | None:
+        """The widest batch (up to the calibrated one) at which adaptive k still drafts for a good
+        draft; None without adaptive k."""
+        if self.tracker is None:
+            return None
+        widest = max(self.tracker.batch_costs, default=1)
+        return max((b for b in range(1, widest + 1) if self.tracker.pays_at(b)), default=0)
+
+    def _budget(self, seq: Sequence, batch: int) -> int:
         """Drafts a sequence may take: every accepted one plus the sampled token must fit its
         max_tokens and the context length."""
         p = seq.params
         room = self.max_model_len - seq.num_tokens - 1
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        k = self.config.num_speculative_tokens if self.tracker is None else self.tracker.choose(seq.seq_id)
+        k = self.config.num_speculative_tokens if self.tracker is None else self.tracker.choose(seq.seq_id, batch)
         return max(0, min(k, room))
 
     def propose(self, running: list[Sequence]) -> None:
@@ -130,13 +149,11 @@ class SpeculativeDecoder:
             seq.spec_token_ids = []
             if seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens:
                 decoding.append(seq)
-        if decoding:
-            self.stats.num_decode_steps += 1
+        self.stats.num_decode_steps += bool(decoding)
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
-            self.stats.num_disabled_steps += bool(decoding)
             return
-        budgets = [self._budget(s) for s in decoding]
+        budgets = [self._budget(s, len(decoding)) for s in decoding]
         seqs = [s for s, k in zip(decoding, budgets) if k]
         if not seqs:
             return
@@ -144,6 +161,7 @@ class SpeculativeDecoder:
             seq.spec_token_ids = list(drafts)
             if probs is not None and drafts:
                 self._draft_probs[seq.seq_id] = probs
+        self.stats.num_draft_steps += any(s.spec_token_ids for s in seqs)
 
     def forget(self, seq: Sequence) -> None:
         seq.spec_token_ids = []

@@ -63,12 +63,13 @@ class DraftModelProposer:
         self.block_manager = self.runner.make_block_manager(enable_prefix_caching=False)
         self.sampler = sampler
         self.shadows: dict[int, Sequence] = {}
+        self.max_model_len = max_model_len
         log.info("speculative draft %s (%s, %d layers): KV cache %d blocks", spec.model, model_cfg.architecture,
                  model_cfg.num_layers, self.runner.num_blocks)
 
-    def step_seconds(self) -> float:
-        """One draft forward over one row (a decode step of the draft), timed."""
-        return step_seconds(self.runner, self.block_manager, [1]).get(1, 0.0)
+    def step_seconds(self, rows: list[int]) -> dict[int, float]:
+        """One draft forward over r rows (a decode step of the draft for r sequences), timed."""
+        return step_seconds(self.runner, self.block_manager, rows, max_model_len=self.max_model_len)
 
     def forget(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)

@@ -23,8 +23,9 @@ class Proposer(Protocol):
     def retain(self, live: set[int]) -> None:
         """Only these seq ids still run (the others were preempted): drop the rest."""
 
-    def step_seconds(self) -> float:
-        """What proposing one more token costs per round, measured (adaptive k weighs it)."""
+    def step_seconds(self, rows: list[int]) -> dict[int, float]:
+        """What proposing one more token costs per round for r sequences, for each r, measured
+        (adaptive k weighs it)."""
 
 
 class NgramProposer:
@@ -40,5 +41,5 @@ class NgramProposer:
     def retain(self, live: set[int]) -> None:
         pass
 
-    def step_seconds(self) -> float:
-        return 0.0               # a list search, next to a forward pass
+    def step_seconds(self, rows: list[int]) -> dict[int, float]:
+        return dict.fromkeys(rows, 0.0)          # a list search, next to a forward pass
