@@ -180,7 +180,6 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     else:                                                  # a base model: the task text as it is
         prompts = [engine.tokenize(p) for p in texts]
     labels = [v.label for v in variants]
-    concurrencies = args.concurrency
     anchors = {v.label: LlamaServerSpec(args, v.k, args.port + i) for i, v in enumerate(variants)
                if v.method == "llama.cpp"}
     for anchor in anchors.values():
@@ -188,9 +187,9 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
     for dec in {id(d): d for d in decoders.values()}.values():   # warm-up: every variant, so none pays
         engine.spec = dec                                   # a first use (the draft's) in its first repeat
         _run_prompts(engine, prompts[:1], 8)
-    keys = [(c, l) for c in concurrencies for l in labels if c == 1 or l not in anchors]   # llama.cpp: 1 slot
+    keys = [(c, l) for c in args.concurrency for l in labels if c == 1 or l not in anchors]   # llama.cpp: 1 slot
     results = {key: {"tok_s": [], "accept": [], "mean_len": [], "off": []} for key in keys}
-    for c in concurrencies:
+    for c in args.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(max(len(prompts), c))]
         point = [l for cc, l in keys if cc == c]
         for rep in range(args.repeats):

@@ -91,6 +91,11 @@ class AcceptanceTracker:
         """Whether a draft as good as the prior (q = prior_q at every position) pays at this batch."""
         return best_k([self.prior_q] * self.max_k, self.costs_at(batch)) > 0
 
+    def max_paying_batch(self) -> int:
+        """The widest batch (up to the widest measured) at which a good draft still pays."""
+        widest = max(self.batch_costs, default=1)
+        return max((b for b in range(1, widest + 1) if self.pays_at(b)), default=0)
+
     def choose(self, seq_id: int, batch: int = 1) -> int:
         costs = self.costs_at(batch)
         q = self.conditional_acceptance(seq_id)

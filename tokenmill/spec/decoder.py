@@ -122,12 +122,8 @@ class SpeculativeDecoder:
         return self.tracker.costs
 
     def max_paying_batch(self) -> int | None:
-        """The widest batch (up to the calibrated one) at which adaptive k still drafts for a good
-        draft; None without adaptive k."""
-        if self.tracker is None:
-            return None
-        widest = max(self.tracker.batch_costs, default=1)
-        return max((b for b in range(1, widest + 1) if self.tracker.pays_at(b)), default=0)
+        """Where adaptive k stops drafting even for a good draft (spec/adaptive.py); None without it."""
+        return None if self.tracker is None else self.tracker.max_paying_batch()
 
     def _budget(self, seq: Sequence, batch: int) -> int:
         """Drafts a sequence may take: every accepted one plus the sampled token must fit its
