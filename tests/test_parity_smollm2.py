@@ -73,13 +73,30 @@ def test_greedy_matches_hf_under_preemption(reference):
                     "flips SmolLM2's chat answer (seen on a Zen 3 EPYC, also before the quant work); dtype "
                     "auto picks float32 on such CPUs")
 def test_bfloat16_follows_fp32_reference(reference):
-    """bf16 (fp32 residual stream) must track the fp32 reference: exact on most prompts'
-    first tokens. Not token-identical by design: bf16 matmuls round differently."""
+    """bf16 (fp32 residual stream) must track the fp32 reference: it may leave the reference's
+    greedy path only where fp32 itself nearly ties (its top two logits within NEAR_TIE, as bf16
+    matmuls round differently: AMX and AVX512-BF16 accumulate in other orders), never at a
+    confident token. The fp32 engine is token-identical to HF (test_greedy_matches_hf) and gives
+    the margins."""
     from tokenmill import LLM, SamplingParams
+    near_tie = 0.25        # logits; SmolLM2's flips on a Sapphire Rapids host: margins 0.04-0.18
+    fp32 = LLM(model="smollm2-135m-instruct", dtype="float32", max_model_len=1024, kv_cache_memory=256 << 20)
+    ref_outs = fp32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5),
+                             use_tqdm=False)
+    del fp32
     llm = LLM(model="smollm2-135m-instruct", dtype="bfloat16", max_model_len=1024, kv_cache_memory=256 << 20)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    agree = sum(out.outputs[0].token_ids == ref[:8] for (_, ref), out in zip(reference, outs))
-    assert agree >= len(PROMPTS) - 2, f"only {agree}/{len(PROMPTS)} prompts agree on 8 greedy tokens"
+    agree = 0
+    for (_, ref), ref_out, out in zip(reference, ref_outs, outs):
+        assert ref_out.outputs[0].token_ids == ref[:8]
+        got = out.outputs[0].token_ids
+        j = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        if j is None:
+            agree += 1
+            continue
+        top = ref_out.outputs[0].logprobs[j].top        # fp32's top 5 where bf16 left its path
+        assert got[j] in top and top[ref[j]] - top[got[j]] < near_tie, (j, ref[j], got[j], top)
+    assert agree >= len(PROMPTS) // 2, f"only {agree}/{len(PROMPTS)} prompts agree on 8 greedy tokens"
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert "Paris" in chat[0].outputs[0].text
