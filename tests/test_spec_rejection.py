@@ -123,9 +123,13 @@ def test_emitted_tokens_follow_the_target_distribution_and_a_wrong_rule_fails(on
     """Positions are independent of the prefix here, so the token emitted at position j must be
     distributed as p_j whenever position j is reached. 20k trials, V = 6, k = 3."""
     V, k, trials = 6, 3, 20000
-    gen = torch.Generator().manual_seed(7)
-    p = torch.distributions.Dirichlet(torch.ones(V)).sample((k + 1,))
-    q = torch.distributions.Dirichlet(torch.ones(V)).sample((k,))
+    gen = torch.Generator().manual_seed(7)      # all of the test's randomness: the same p, q every run
+
+    def dirichlet(rows: int) -> torch.Tensor:   # Dirichlet(1, ..., 1): normalised exponentials
+        e = -torch.rand(rows, V, generator=gen).log()
+        return e / e.sum(-1, keepdim=True)
+
+    p, q = dirichlet(k + 1), dirichlet(k)
     if one_hot:
         # n-gram style: the proposal is a fixed guess; q is one-hot at it (draft_probs None)
         guesses = torch.multinomial(torch.ones(V), k, replacement=True, generator=gen)
@@ -245,17 +249,25 @@ def test_step_times_interpolate_and_batch_costs_grow_with_the_batch():
     assert best_k([0.8] * 3, one) == 3 and best_k([0.8] * 3, wide) == 0
 
 
-def test_tracker_drafts_by_the_batch_and_stops_probing_where_drafts_cannot_pay():
+def test_tracker_drafts_by_the_step_shape_and_stops_probing_where_drafts_cannot_pay():
     from tokenmill.spec.adaptive import AcceptanceTracker
-    cheap, dear = [1.0, 1.05, 1.1, 1.15], [1.0, 2.0, 3.0, 4.0]
-    t = AcceptanceTracker(max_k=3, costs=cheap, batch_costs={2: cheap, 4: dear}, probe_every=2)
-    assert t.costs_at(1) is cheap and t.costs_at(2) is cheap and t.costs_at(9) is dear   # widest beyond it
+    from tokenmill.spec.costs import MeasuredCosts
+    # memory-bound up to 4 rows, compute-bound (linear) past 8; the draft is cheap
+    target = {1: 0.040, 2: 0.041, 4: 0.044, 8: 0.080, 16: 0.160}
+    measured = MeasuredCosts(target, {1: 0.002, 8: 0.004}, max_k=3, widest=4)
+    t = AcceptanceTracker(max_k=3, costs=measured.at(1), measured=measured, probe_every=2)
+    assert t.costs_at(1) == measured.at(1) and t.costs_at(9) == measured.at(9)
     assert t.choose(1, batch=1) == 3 and t.choose(1, batch=4) == 0
-    assert t.pays_at(2) and not t.pays_at(4)
+    assert t.pays_at(1) and not t.pays_at(4) and t.max_paying_batch() in (1, 2, 3)
+    # one sequence decoding while a 12-row prefill chunk fills the step: its verified rows cost compute
+    assert t.costs_at(1, other_rows=12) == pytest.approx([1.0, (0.140 + 0.002) / 0.130,
+                                                          (0.150 + 0.004) / 0.130, (0.160 + 0.006) / 0.130])
+    assert t.choose(1, batch=1, other_rows=12) == 0 and not t.pays_at(1, other_rows=12)
     for _ in range(10):
         t.record(5, 3, 0)          # request 5's drafts are always rejected
     assert [t.choose(5, batch=1) for _ in range(4)] == [0, 1, 0, 1]     # alone: it probes now and then
     assert [t.choose(5, batch=4) for _ in range(4)] == [0, 0, 0, 0]     # in a wide batch: never
+    assert [t.choose(5, batch=1, other_rows=12) for _ in range(4)] == [0, 0, 0, 0]   # nor beside prefill
 
 
 def test_tracker_learns_each_requests_acceptance():
