@@ -276,9 +276,9 @@ def test_adaptive_k_stays_exact_and_sizes_drafts_by_cost_and_acceptance(tiny_dir
                   speculative_config={**cfg, "adaptive_k": True})
         costs, bm = llm.engine.spec.tracker.costs, llm.engine.block_manager
         assert len(costs) == 7 and costs[0] == 1.0 and costs != [1 + k * 0.02 for k in range(7)]   # measured
-        batch_costs = llm.engine.spec.tracker.batch_costs                # and per batch, up to 16
-        assert sorted(batch_costs) == list(range(2, 17))
-        assert all(len(c) == 7 and c[0] == 1.0 for c in batch_costs.values())
+        measured = llm.engine.spec.tracker.measured                      # and per batch, up to 16
+        assert measured.widest == 16 and max(measured.target_seconds) == 16 * 7
+        assert all(len(c) == 7 and c[0] == 1.0 for c in (measured.at(b, r) for b in (2, 16) for r in (0, 100)))
         assert bm.num_free_blocks == bm.num_blocks           # the timing probe gave its blocks back
         assert _ids(_gen(llm, PROMPTS, params)) == want
         stats = llm.engine.spec.stats

@@ -187,7 +187,7 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, self.scheduler.max_num_batched_tokens)
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

@@ -15,6 +15,7 @@ import bisect
 import statistics
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
@@ -48,13 +49,35 @@ def seconds_at(measured: Mapping[int, float], rows: int) -> float:
 
 
 def round_costs(target_seconds: Mapping[int, float], draft_seconds: Mapping[int, float] | float, max_k: int,
-                batch: int = 1) -> list[float]:
+                batch: int = 1, other_rows: int = 0) -> list[float]:
     """costs[k], k = 0..max_k: a round in which `batch` decoding sequences take k drafts each (k
-    draft steps over `batch` rows, one target step over batch * (1 + k) rows), in units of a plain
-    target step over `batch` rows."""
+    draft steps over `batch` rows, one target step over other_rows + batch * (1 + k) rows), in
+    units of a plain target step over other_rows + batch rows. `other_rows`: the step's prefill
+    rows, which ride in both: a step already full of them makes every verified row cost compute."""
     draft = draft_seconds if isinstance(draft_seconds, (int, float)) else seconds_at(draft_seconds, batch)
-    base = seconds_at(target_seconds, batch)
-    return [(seconds_at(target_seconds, batch * (1 + k)) + k * draft) / base for k in range(max_k + 1)]
+    base = seconds_at(target_seconds, other_rows + batch)
+    return [(seconds_at(target_seconds, other_rows + batch * (1 + k)) + k * draft) / base for k in range(max_k + 1)]
+
+
+@dataclass(slots=True)
+class MeasuredCosts:
+    """Round costs from the start-up timings, at any step's decoding batch and prefill rows."""
+
+    target_seconds: dict[int, float]   # one forward over r rows
+    draft_seconds: dict[int, float]    # one draft step over b rows
+    max_k: int
+    widest: int                        # the widest batch whose verification was timed
+    _cache: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def at(self, batch: int, other_rows: int = 0) -> list[float]:
+        key = (batch, other_rows)
+        costs = self._cache.get(key)
+        if costs is None:
+            if len(self._cache) >= 4096:     # prefill row counts vary: keep the table bounded
+                self._cache.clear()
+            costs = self._cache[key] = round_costs(self.target_seconds, self.draft_seconds, self.max_k,
+                                                   batch, other_rows)
+        return costs
 
 
 def probe_rows(max_k: int, max_batch: int) -> list[int]:

@@ -19,7 +19,7 @@ from tokenmill.engine.sampler import Sampler, gather_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence, TokenLogprobs
 from tokenmill.spec.adaptive import AcceptanceTracker
-from tokenmill.spec.costs import VERIFY_ROW_COST, linear_costs, probe_rows, round_costs, step_seconds
+from tokenmill.spec.costs import VERIFY_ROW_COST, MeasuredCosts, linear_costs, probe_rows, step_seconds
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.proposers import Proposer
 from tokenmill.spec.rejection import verify_drafts
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.model_runner import ModelRunner
 
 
-# Adaptive k times verification shapes up to this many decoding sequences; wider batches use its costs.
+# Adaptive k times verification shapes up to this many decoding sequences; wider steps extrapolate.
 MAX_CALIBRATED_BATCH = 16
 
 
@@ -117,39 +117,44 @@ class SpeculativeDecoder:
         target_s |= step_seconds(target, target_blocks, rows[k + 1:], repeats=1, max_model_len=self.max_model_len)
         batches = sorted({1, max_batch} | {b for b in (2, 4, 8) if b < max_batch})
         draft_s = self.proposer.step_seconds(batches) or {1: 0.0}
-        self.tracker.costs = round_costs(target_s, draft_s, k)
-        self.tracker.batch_costs = {b: round_costs(target_s, draft_s, k, b) for b in range(2, max_batch + 1)}
+        self.tracker.measured = MeasuredCosts(target_s, draft_s, k, widest=max_batch)
+        self.tracker.costs = self.tracker.measured.at(1)
         return self.tracker.costs
 
     def max_paying_batch(self) -> int | None:
         """Where adaptive k stops drafting even for a good draft (spec/adaptive.py); None without it."""
         return None if self.tracker is None else self.tracker.max_paying_batch()
 
-    def _budget(self, seq: Sequence, batch: int) -> int:
+    def _budget(self, seq: Sequence, batch: int, other_rows: int) -> int:
         """Drafts a sequence may take: every accepted one plus the sampled token must fit its
         max_tokens and the context length."""
         p = seq.params
         room = self.max_model_len - seq.num_tokens - 1
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        k = self.config.num_speculative_tokens if self.tracker is None else self.tracker.choose(seq.seq_id, batch)
+        k = self.config.num_speculative_tokens if self.tracker is None else self.tracker.choose(seq.seq_id, batch, other_rows)
         return max(0, min(k, room))
 
-    def propose(self, running: list[Sequence]) -> None:
+    def propose(self, running: list[Sequence], token_budget: int | None = None) -> None:
         """Set `spec_token_ids` of every running sequence: drafts for those decoding, [] for the
-        rest (or for all, above `disable_by_batch_size`)."""
+        rest (or for all, above `disable_by_batch_size`). `token_budget`: the step's row budget,
+        which caps the prefill rows adaptive k expects beside the verified ones."""
         self._draft_probs.clear()
         self.proposer.retain({s.seq_id for s in running})
-        decoding = []
+        decoding, prefill_rows = [], 0
         for seq in running:
             seq.spec_token_ids = []
             if seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens:
                 decoding.append(seq)
+            else:
+                prefill_rows += seq.num_tokens - seq.num_computed_tokens
         self.stats.num_decode_steps += bool(decoding)
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
-        budgets = [self._budget(s, len(decoding)) for s in decoding]
+        if token_budget is not None:
+            prefill_rows = min(prefill_rows, max(token_budget - len(decoding), 0))
+        budgets = [self._budget(s, len(decoding), prefill_rows) for s in decoding]
         seqs = [s for s, k in zip(decoding, budgets) if k]
         if not seqs:
             return
