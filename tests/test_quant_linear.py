@@ -110,6 +110,30 @@ def test_int8_tiled_matches_whole_weight_dequant(smooth, monkeypatch):
     assert (got - ref).abs().max() / ref.abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiled_bf16_tiles_match_the_rounded_weight(bits, monkeypatch):
+    """bf16 activations on a CPU with native bf16 dot products: tiles are decoded straight to
+    bf16 (round to nearest even, as torch casts) and multiplied in bf16; against the dequantized
+    weight cast by torch, in fp32 (elsewhere both run in fp32, and this checks that path)."""
+    from tokenmill.quant import tiled
+    if not _tiled_available():
+        pytest.skip("no tiled kernel on this CPU")
+    torch.manual_seed(5)
+    w = torch.randn(1000, 1536) * 0.05
+    lin = Int4Linear(rtn_quantize(w, 4, 64), None) if bits == 4 else Int8Linear.from_float(w, None)
+    x = torch.randn(48, 1536).bfloat16()
+    monkeypatch.setattr(kernels, "_OVERRIDE", 0)
+    got = lin(x)
+    monkeypatch.setattr(tiled, "_ENABLED", False)
+    ref_w = lin(torch.eye(1536)).T                    # the dequantized weight, fp32 [N, K]
+    if kernels.cpu_has_fast_bf16_dot():
+        ref_w = ref_w.bfloat16().float()
+    ref = x.float() @ ref_w.T
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert ((got.float() - ref).abs().mean() / ref.abs().mean()).item() < 2.5e-3   # truncating: ~4e-3
+
+
 def test_tiled_kernel_inside_inference_mode():
     """The runner calls linears under torch.inference_mode; the kernel's worker threads write the
     output in place and must inherit that mode (they did not: every tile off the caller's thread

@@ -36,7 +36,11 @@ _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
 #   AVX2 (vpmaddubsw; 2-core AVX2-only EPYC, fed fp32, ms int_dot / torch kernel / tiled): int4 3.93 /
 #     10.83 / 19.19 at M=1, 26.28 / 36.30 / 39.65 at 12, 50.85 / 45.94 / 44.14 at 16; int8 6.51 /
 #     15.26 / 23.01 at M=1, 23.23 / 43.62 / 39.79 at 12, 47.21 / 56.36 / 43.74 at 16.
-_INT_DOT_MAX_ROWS = {"avx512_vnni": {"int8": 64, "int4": 32}, "avx2": {"int8": 12, "int4": 12}}
+#   AVX512-VNNI with AMX (2-core Sapphire Rapids, fed bf16, ms int_dot / tiled with bf16 tiles
+#     multiplied on AMX): int8 19.41 / 26.28 at M=20, 25.38 / 27.67 at 24, 33.06 / 29.43 at 32;
+#     int4 16.87 / 22.02 at 16, 24.89 / 23.68 at 20, 37.72 / 29.48 at 32.
+_INT_DOT_MAX_ROWS = {"avx512_vnni": {"int8": 64, "int4": 32}, "avx512_vnni+amx": {"int8": 24, "int4": 16},
+                     "avx2": {"int8": 12, "int4": 12}}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)
@@ -58,7 +62,10 @@ def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
 def _int_dot_limits() -> dict[str, int]:
     from tokenmill.quant.int_dot import int_dot_kernels   # int_dot imports this module
     mod = int_dot_kernels()
-    return _INT_DOT_MAX_ROWS.get(mod.isa() if mod is not None else "", {"int8": 0, "int4": 0})
+    isa = mod.isa() if mod is not None else ""
+    if isa == "avx512_vnni" and " amx_bf16" in cpu_flags():
+        isa += "+amx"          # the tiled path's bf16 GEMM runs on AMX: it takes over at fewer rows
+    return _INT_DOT_MAX_ROWS.get(isa, {"int8": 0, "int4": 0})
 
 
 def int_dot_max_rows(fmt: str) -> int:
