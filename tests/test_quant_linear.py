@@ -110,8 +110,9 @@ def test_int8_tiled_matches_whole_weight_dequant(smooth, monkeypatch):
     assert (got - ref).abs().max() / ref.abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("rows", [12, 48])            # tile by tile; the whole weight at once
 @pytest.mark.parametrize("bits", [4, 8])
-def test_tiled_bf16_tiles_match_the_rounded_weight(bits, monkeypatch):
+def test_tiled_bf16_tiles_match_the_rounded_weight(bits, rows, monkeypatch):
     """bf16 activations on a CPU with native bf16 dot products: tiles are decoded straight to
     bf16 (round to nearest even, as torch casts) and multiplied in bf16; against the dequantized
     weight cast by torch, in fp32 (elsewhere both run in fp32, and this checks that path)."""
@@ -121,7 +122,7 @@ def test_tiled_bf16_tiles_match_the_rounded_weight(bits, monkeypatch):
     torch.manual_seed(5)
     w = torch.randn(1000, 1536) * 0.05
     lin = Int4Linear(rtn_quantize(w, 4, 64), None) if bits == 4 else Int8Linear.from_float(w, None)
-    x = torch.randn(48, 1536).bfloat16()
+    x = torch.randn(rows, 1536).bfloat16()
     monkeypatch.setattr(kernels, "_OVERRIDE", 0)
     got = lin(x)
     monkeypatch.setattr(tiled, "_ENABLED", False)
