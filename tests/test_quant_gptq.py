@@ -91,3 +91,23 @@ def test_dead_columns_are_zero(layer):
     h[:, 7] = 0
     gq = gptq_quantize(w, h, group_size=64)
     assert (gq.dequantize()[:, 7] == 0).all()
+
+
+def test_groups_of_non_negative_weights_still_save_as_autogptq_v1():
+    """A group whose weights are all >= 0 has min/max zero point 0, which AutoGPTQ v1 cannot
+    store (zero - 1 in 4 bits): a 0.5B model's GPTQ run failed at save time on one such group.
+    GPTQ takes zero point 1 there with a scale that still fits the group's max."""
+    from tokenmill.quant.formats import pack_gptq, unpack_gptq
+    from tokenmill.quant.group import minmax_params
+    row = torch.tensor([[0.0, 0.2, 0.5, 1.4]])
+    assert minmax_params(row, 4)[1].item() == 0
+    scale, zero = minmax_params(row, 4, min_zero=1)
+    assert zero.item() == 1 and (15 - 1) * scale.item() >= 1.4 - 1e-6
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(6)) * 0.02
+    w[3, :64] = w[3, :64].abs()                 # row 3's first group: no negative weight
+    gq = gptq_quantize(w, torch.eye(K), group_size=64)
+    assert gq.zeros.min().item() >= 1
+    back = unpack_gptq(**pack_gptq(gq), bits=4, group_size=64)
+    assert torch.equal(back.q.to(torch.int64), gq.q.to(torch.int64)) and torch.equal(back.zeros, gq.zeros)
+    err = (gq.dequantize()[3, :64] - w[3, :64]).abs().max()
+    assert err <= gq.scales[3, 0] / 2 + 1e-6     # still round-to-nearest on the wider grid

@@ -119,7 +119,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int = 4, gr
                 if end > i2:                     # group runs past this block: add the pending update
                     later = w[:, i2:end] - err1[:, :i] @ hinv[i1:j, i2:end]
                     cur = torch.cat([cur, later], dim=1)
-                scale, zero = minmax_params(cur, bits)
+                scale, zero = minmax_params(cur, bits, min_zero=1)   # saved in AutoGPTQ v1 (formats.py)
                 scales[:, j // gs], zeros[:, j // gs] = scale, zero
             col = w1[:, i]
             q = torch.clamp(torch.round(col / scale) + zero, 0, qmax)

@@ -52,15 +52,22 @@ def default_g_idx(k: int, group_size: int) -> torch.Tensor:
     return (torch.arange(k, dtype=torch.int32) // group_size).to(torch.int32)
 
 
-def minmax_params(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def minmax_params(w: torch.Tensor, bits: int, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric scale and integer zero point per row of `w` [R, C] from its min and max.
-    The range always includes 0 so that a zero weight stays exactly representable."""
+    The range always includes 0 so that a zero weight stays exactly representable. `min_zero`:
+    the smallest zero point the storage format holds (AutoGPTQ v1 stores zero - 1 in `bits` bits,
+    so 1); a row that would get a lower one (its weights all >= 0) gets that zero point and a
+    scale wide enough that its max still fits the codes above it."""
     qmax = 2 ** bits - 1
     lo = w.amin(dim=1).clamp(max=0)
     hi = w.amax(dim=1).clamp(min=0)
     scale = (hi - lo) / qmax
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))   # all-zero rows
     zero = torch.round(-lo / scale).clamp(0, qmax)
+    low = zero < min_zero
+    if low.any():
+        scale = torch.where(low, torch.maximum(scale, hi / (qmax - min_zero)), scale)
+        zero = torch.where(low, torch.full_like(zero, min_zero), zero)
     return scale, zero
 
 
