@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--damp-percent", type=float, default=0.01, help="GPTQ Hessian dampening")
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength")
     p.add_argument("--quantize-lm-head", action="store_true")
-    p.add_argument("--calib", default="sharegpt:128", help="sharegpt:N or text:PATH")
+    p.add_argument("--calib", default="sharegpt:128", help="sharegpt:N (chat template), sharegpt-plain:N or text:PATH")
     p.add_argument("--calib-max-len", type=int, default=512, help="tokens per calibration sequence")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_quantize)

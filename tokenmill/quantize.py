@@ -5,6 +5,8 @@ Calibration sources (`--calib`):
                quality benchmark scores conversations >= HELD_OUT_START, never these), rendered
                with the tokenizer's chat template (human -> user, gpt -> assistant; other roles
                dropped) or, without a template, as plain text joined by blank lines
+  sharegpt-plain:N  the same conversations as plain text, turns joined by blank lines (the
+               format `bench quality` scores perplexity on)
   text:PATH    one calibration sequence per paragraph (blank-line separated) of a local file
 Every sequence is truncated to `calib_max_len` tokens; sequences under MIN_CALIB_TOKENS are skipped.
 """
@@ -64,7 +66,7 @@ def _chat_ids(tokenizer: Any, turns: list[tuple[str, str]]) -> list[int] | None:
 def calibration_sequences(spec: str, tokenizer: Any, max_len: int = 512) -> list[list[int]]:
     kind, _, arg = spec.partition(":")
     seqs: list[list[int]] = []
-    if kind == "sharegpt":
+    if kind in ("sharegpt", "sharegpt-plain"):
         from tokenmill.bench.sharegpt import CALIBRATION_END, load_sharegpt
         n = int(arg or 128)
         if n > CALIBRATION_END:
@@ -72,7 +74,8 @@ def calibration_sequences(spec: str, tokenizer: Any, max_len: int = 512) -> list
         for conv in load_sharegpt(limit=CALIBRATION_END):
             if len(seqs) == n:
                 break
-            ids = _chat_ids(tokenizer, conv.turns)
+            ids = (_chat_ids(tokenizer, conv.turns) if kind == "sharegpt"
+                   else list(tokenizer("\n\n".join(t for _, t in conv.turns))["input_ids"]))
             if ids is not None and len(ids) >= MIN_CALIB_TOKENS:
                 seqs.append(ids[:max_len])
         if len(seqs) < n:
@@ -86,7 +89,7 @@ def calibration_sequences(spec: str, tokenizer: Any, max_len: int = 512) -> list
         if not seqs:
             raise ValueError(f"{arg}: no paragraph of at least {MIN_CALIB_TOKENS} tokens")
     else:
-        raise ValueError(f"unknown calibration source {spec!r} (use sharegpt:N or text:PATH)")
+        raise ValueError(f"unknown calibration source {spec!r} (use sharegpt:N, sharegpt-plain:N or text:PATH)")
     return seqs
 
 
