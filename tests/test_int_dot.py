@@ -97,3 +97,31 @@ def test_int8_linear_takes_the_int_dot_path(smooth, monkeypatch):
     xs = x if inv is None else x * inv
     ref = quantize_blocks_reference(xs, lin.int_dot.block) @ lin.dequantize().T + lin.bias
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.skipif(not (int_dot_kernels() is not None and int_dot_kernels().has_amx()), reason="no AMX-INT8")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 4, 16, 33, 100])
+def test_amx_tiles_match_the_vnni_kernel(bits, m):
+    """The AMX kernel (whole 16-row strips; the 5 rows past them stay on VNNI) against the VNNI
+    kernel on the same call: same integer products, fp32 sums in another order."""
+    torch.manual_seed(m + bits)
+    n, k, group = 101, 1536, 128
+    bias, perm = torch.randn(n), torch.randperm(k)
+    if bits == 4:
+        q, scales, offsets, _ = _int4_weight(n, k, group)
+        weights = Int4DotWeights.build(q, scales, offsets, perm, bias, group)
+    else:
+        weights = Int8DotWeights.build(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01,
+                                       bias, int8_block(k))
+    x = torch.randn(m, k)
+    mod = int_dot_kernels()
+    saved = mod.amx_min_rows()
+    try:
+        mod.set_amx_min_rows(1, 1)
+        amx = weights.linear(x)
+        mod.set_amx_min_rows(1 << 40, 1 << 40)
+        vnni = weights.linear(x)
+    finally:
+        mod.set_amx_min_rows(*saved)
+    assert (amx - vnni).abs().max() <= 1e-5 * vnni.abs().max()

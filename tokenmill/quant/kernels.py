@@ -39,8 +39,12 @@ _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
 #   AVX512-VNNI with AMX (2-core Sapphire Rapids, fed bf16, ms int_dot / tiled with bf16 tiles
 #     multiplied on AMX): int8 19.41 / 26.28 at M=20, 25.38 / 27.67 at 24, 33.06 / 29.43 at 32;
 #     int4 16.87 / 22.02 at 16, 24.89 / 23.68 at 20, 37.72 / 29.48 at 32.
+#   AMX-INT8 (the same kernel multiplying on AMX tiles from 4 (int8) / 8 (int4) rows, int_dot_amx.h;
+#     2-core Sapphire Rapids, fed bf16, ms int_dot / tiled / bf16 GEMM, a noisy host): int8 15.81 /
+#     33.30 / 25.25 at M=64, 28.43 / 36.58 / 26.77 at 128, 67.89 / 90.45 / 83.73 at 256, 97.08 / 84.82
+#     / 77.92 at 512; int4 18.25 / 43.68 at 64, 45.96 / 36.10 at 128.
 _INT_DOT_MAX_ROWS = {"avx512_vnni": {"int8": 64, "int4": 32}, "avx512_vnni+amx": {"int8": 24, "int4": 16},
-                     "avx2": {"int8": 12, "int4": 12}}
+                     "amx_int8": {"int8": 256, "int4": 96}, "avx2": {"int8": 12, "int4": 12}}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)
@@ -63,7 +67,9 @@ def _int_dot_limits() -> dict[str, int]:
     from tokenmill.quant.int_dot import int_dot_kernels   # int_dot imports this module
     mod = int_dot_kernels()
     isa = mod.isa() if mod is not None else ""
-    if isa == "avx512_vnni" and " amx_bf16" in cpu_flags():
+    if isa == "avx512_vnni" and mod.has_amx():
+        isa = "amx_int8"       # the kernel multiplies on AMX tiles from a few rows
+    elif isa == "avx512_vnni" and " amx_bf16" in cpu_flags():
         isa += "+amx"          # the tiled path's bf16 GEMM runs on AMX: it takes over at fewer rows
     return _INT_DOT_MAX_ROWS.get(isa, {"int8": 0, "int4": 0})
 

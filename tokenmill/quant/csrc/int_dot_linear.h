@@ -79,6 +79,10 @@ struct Activations {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "int_dot_vnni.h"
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TM_HAVE_AMX 1
+#include "int_dot_amx.h"
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "int_dot_avx2.h"
 #endif
@@ -129,12 +133,13 @@ constexpr std::array<TileFn<BITS, R>, MT_MAX + 1> tile_table(std::index_sequence
 template <int BITS, int R>
 constexpr auto kTiles = tile_table<BITS, R>(std::make_index_sequence<MT_MAX>{});
 
+// Output columns n0.. of y[M, N].
 template <int BITS, typename Out>
-void run_tiles(const Weights& w, const Activations& a, int64_t M, int64_t N, Out* out) {
-  at::parallel_for(0, (N + RT - 1) / RT, 8, [&](int64_t begin, int64_t end) {
+void run_tiles(const Weights& w, const Activations& a, int64_t M, int64_t N, Out* out, int64_t n0 = 0) {
+  at::parallel_for(0, (N - n0 + RT - 1) / RT, 8, [&](int64_t begin, int64_t end) {
     float dots[RT][MT_MAX];
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n = p * RT;
+      const int64_t n = n0 + p * RT;
       const int rows = static_cast<int>(std::min<int64_t>(RT, N - n));
       for (int64_t m = 0; m < M; m += MT_MAX) {
         const int mt = static_cast<int>(std::min<int64_t>(MT_MAX, M - m));
@@ -150,12 +155,28 @@ void run_tiles(const Weights& w, const Activations& a, int64_t M, int64_t N, Out
 
 template <int BITS>
 torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N, const std::optional<torch::Tensor>& perm) {
-  const QuantizedX q = quantize(x, w.B, BITS == 8 && kOffsetInt8X, perm);
-  const Activations a{reinterpret_cast<const uint8_t*>(q.codes.data_ptr<int8_t>()), q.scales.data_ptr<float>(),
-                      q.sums.data_ptr<float>()};
+  // int8 weights meet x + 128 on VNNI / AVX2, plain signed x on AMX
+  auto activations = [&](bool offset) {
+    const QuantizedX q = quantize(x, w.B, BITS == 8 && offset, perm);
+    return std::make_pair(q, Activations{reinterpret_cast<const uint8_t*>(q.codes.data_ptr<int8_t>()),
+                                         q.scales.data_ptr<float>(), q.sums.data_ptr<float>()});
+  };
   auto out = torch::empty({x.size(0), N}, x.options());
-  if (x.scalar_type() == torch::kFloat32) run_tiles<BITS>(w, a, x.size(0), N, out.data_ptr<float>());
-  else run_tiles<BITS>(w, a, x.size(0), N, out.data_ptr<at::BFloat16>());
+  auto compute = [&](auto* y) {
+    int64_t n0 = 0;
+#ifdef TM_HAVE_AMX
+    if (x.size(0) >= amx::min_rows<BITS>() && N >= amx::TILE && amx::enabled()) {
+      const auto [q, a] = activations(false);
+      n0 = amx::run_strips<BITS>(w, a, x.size(0), N, y);
+    }
+#endif
+    if (n0 < N) {   // all of y, or the rows past AMX's last whole strip
+      const auto [q, a] = activations(kOffsetInt8X);
+      run_tiles<BITS>(w, a, x.size(0), N, y, n0);
+    }
+  };
+  if (x.scalar_type() == torch::kFloat32) compute(out.data_ptr<float>());
+  else compute(out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -209,6 +230,31 @@ torch::Tensor int8_dot_linear(const torch::Tensor& x, const torch::Tensor& codes
 
 // The instruction set the kernels were built for ("" when none: the module then has no kernels).
 const char* isa() { return TM_INT_DOT_ISA; }
+
+// Whether calls of at least `amx_min_rows()` rows run on AMX tiles (built for and allowed by the OS).
+bool has_amx() {
+#ifdef TM_HAVE_AMX
+  return amx::enabled();
+#else
+  return false;
+#endif
+}
+
+// Rows from which int4 / int8 calls take AMX (0 without it).
+std::pair<int64_t, int64_t> amx_min_rows() {
+#ifdef TM_HAVE_AMX
+  return {amx::min_rows<4>(), amx::min_rows<8>()};
+#else
+  return {0, 0};
+#endif
+}
+
+void set_amx_min_rows(int64_t int4_rows, int64_t int8_rows) {
+#ifdef TM_HAVE_AMX
+  amx::min_rows<4>() = int4_rows;
+  amx::min_rows<8>() = int8_rows;
+#endif
+}
 
 bool available() {
 #ifdef TM_HAVE_INT_DOT

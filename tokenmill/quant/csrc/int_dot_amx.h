@@ -1,0 +1,165 @@
+// The AMX half of the integer-dot linears (int_dot_linear.h), for CPUs with AMX-INT8 (Sapphire
+// Rapids and later): the same integer math as the VNNI kernel, 16 x 16 x 64 byte products per
+// tile instruction instead of 16 x 4 per vpdpbusd.
+//
+// The weight stays in the VNNI kernel's row-major layout (no second copy): a 16-row strip of
+// weight codes is the tile instructions' A operand (rows = output columns n, 64 bytes of K), and
+// x, already block-quantized, is repacked per call as the B operand (4 consecutive K bytes of each
+// of 16 activation rows per tile row). The int32 tile C = W_strip . x^T is stored after every x
+// block (its scale differs per block and row) and folded into fp32 accumulators, so the result is
+// the VNNI kernel's up to fp32 summation order. Rows past the last whole strip (N % 16) take the
+// VNNI kernel.
+#pragma once
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <vector>
+
+namespace tokenmill::int_dot::amx {
+
+constexpr int TILE = 16;              // weight rows per strip = activation rows per group
+constexpr int TILE_BYTES = TILE * 64;
+
+// Linux hands out AMX tile state only to processes that ask for it (once per process).
+inline bool enabled() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Rows M from which a call takes the AMX kernel; below it the VNNI kernel, which streams the weight
+// with fewer, prefetched row streams (all SmolLM2 linears on a 2-core Sapphire Rapids, ms VNNI / AMX:
+// int8 2.6 / 3.6-6.2 at M = 1, 6.3 / 5.0 at 4, 9.1 / 4.4 at 8; int4 2.6 / 5.2-8.6 at 1, 5.5 / 6.6 at 4,
+// 10.0 / 6.3 at 8). Benchmarks move it to compare paths.
+template <int BITS>
+inline int64_t& min_rows() {
+  static int64_t rows = BITS == 8 ? 4 : 8;
+  return rows;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0, tmm3: C (int32 [16 n][16 m], alternating by x block); tmm1: A (weight strip, 16 rows x 64
+// bytes); tmm2: B (x, 16 K-quads x 16 rows)
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = TILE;
+  _tile_loadconfig(&cfg);
+}
+
+// x codes [M, K] (int8, never offset: AMX multiplies signed by signed) -> [groups][K/64][16 K-quads][16 rows][4 bytes] (rows past M are zero); per-block
+// scales and sums [groups][K/B][16] (the rows of a group side by side, one vector per block).
+inline void pack_x(const Activations& a, int64_t M, int64_t K, int64_t nb, uint8_t* codes, float* scales,
+                   float* sums) {
+  const int64_t groups = (M + TILE - 1) / TILE, chunks = K / 64;
+  std::memset(codes, 0, groups * chunks * TILE_BYTES);
+  std::memset(scales, 0, groups * nb * TILE * sizeof(float));
+  std::memset(sums, 0, groups * nb * TILE * sizeof(float));
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t g = m / TILE, i = m % TILE;
+    const uint8_t* row = a.codes + m * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint8_t* tile = codes + (g * chunks + c) * TILE_BYTES;
+      for (int q = 0; q < TILE; ++q) std::memcpy(tile + q * 64 + i * 4, row + c * 64 + q * 4, 4);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      scales[(g * nb + b) * TILE + i] = a.scales[m * nb + b];
+      sums[(g * nb + b) * TILE + i] = a.sums[m * nb + b];
+    }
+  }
+}
+
+// One 16-row weight strip from n0 against one group of 16 activation rows: out rows m0.. (mt of them).
+// strip_codes: the strip's weight codes as bytes, 16 rows of K at `stride` (int8: the weight itself;
+// int4: unpacked once per strip into a scratch buffer).
+template <int BITS, typename Out>
+inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, const uint8_t* xcodes,
+                  const float* xscales, const float* xsums, int64_t n0, int64_t g, int64_t m0, int mt, int64_t N,
+                  Out* out) {
+  const int64_t K = w.K, B = w.B, nb = K / B, chunks = K / 64;
+  alignas(64) int32_t c_tile[2][TILE][TILE];   // two blocks in flight: one multiplying, one being folded
+  __m512 acc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+  // block b's products into tile C (tmm0 or tmm3, alternating by block; gcc's tile intrinsics take
+  // register numbers as literals, hence a macro)
+#define TM_AMX_MULTIPLY(C)                                                                         \
+  do {                                                                                             \
+    _tile_zero(C);                                                                                 \
+    for (int64_t k = b * B; k < (b + 1) * B; k += 64) {                                            \
+      _tile_loadd(1, strip_codes + k, stride);                                                     \
+      _tile_loadd(2, xcodes + (g * chunks + k / 64) * TILE_BYTES, 64);                             \
+      /* int8: signed weights x signed x (no + 128, no code-sum table); int4: unsigned x signed */ \
+      if constexpr (BITS == 8) _tile_dpbssd(C, 1, 2); else _tile_dpbusd(C, 1, 2);                  \
+    }                                                                                              \
+  } while (0)
+  auto fold = [&](int64_t b) {   // acc += block b's int32 dots, scaled
+    const __m512 sx = _mm512_loadu_ps(xscales + (g * nb + b) * TILE);
+    for (int r = 0; r < TILE; ++r) {
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(c_tile[b & 1][r]));
+      const int64_t n = n0 + r;
+      if constexpr (BITS == 8) {   // x's block scale (the row scale comes last)
+        acc[r] = _mm512_fmadd_ps(dots, sx, acc[r]);
+      } else {                     // weight scale x x scale, + offset x the block's sum of x
+        const __m512 s = _mm512_mul_ps(sx, _mm512_set1_ps(static_cast<float>(w.scales[n * nb + b])));
+        acc[r] = _mm512_fmadd_ps(dots, s, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(w.offsets[n * nb + b])),
+                                 _mm512_loadu_ps(xsums + (g * nb + b) * TILE), acc[r]);
+      }
+    }
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    // the tile instructions of block b run while the vector units fold block b - 1
+    if (b & 1) TM_AMX_MULTIPLY(3); else TM_AMX_MULTIPLY(0);
+    if (b > 0) fold(b - 1);
+    if (b & 1) _tile_stored(3, c_tile[1], 64); else _tile_stored(0, c_tile[0], 64);
+  }
+  fold(nb - 1);
+#undef TM_AMX_MULTIPLY
+  alignas(64) float res[TILE][TILE];
+  for (int r = 0; r < TILE; ++r) {
+    __m512 v = BITS == 8 ? _mm512_mul_ps(acc[r], _mm512_set1_ps(w.row_scale[n0 + r])) : acc[r];
+    if (w.bias) v = _mm512_add_ps(v, _mm512_set1_ps(w.bias[n0 + r]));
+    _mm512_store_ps(res[r], v);
+  }
+  for (int t = 0; t < mt; ++t)
+    for (int r = 0; r < TILE; ++r) out[(m0 + t) * N + n0 + r] = static_cast<Out>(res[r][t]);
+}
+
+// The whole strips of y[M, N]; returns the first row n not written (N rounded down to 16).
+template <int BITS, typename Out>
+int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N, Out* out) {
+  const int64_t K = w.K, nb = K / w.B, groups = (M + TILE - 1) / TILE, strips = N / TILE;
+  std::vector<uint8_t> xcodes(groups * (K / 64) * TILE_BYTES + 64);
+  std::vector<float> xscales(groups * nb * TILE), xsums(groups * nb * TILE);
+  uint8_t* xc = xcodes.data() + (64 - reinterpret_cast<uintptr_t>(xcodes.data()) % 64) % 64;
+  pack_x(a, M, K, nb, xc, xscales.data(), xsums.data());
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<uint8_t> scratch(BITS == 4 ? TILE * K + 64 : 0);   // int4: one strip's codes as bytes
+    uint8_t* unpacked = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+    for (int64_t s = begin; s < end; ++s) {
+      const uint8_t* codes = w.codes + s * TILE * (BITS == 4 ? K / 2 : K);
+      if constexpr (BITS == 4) {
+        for (int64_t r = 0; r < TILE; ++r)
+          for (int64_t c = 0; c < K / 64; ++c)
+            _mm512_store_si512(unpacked + r * K + c * 64, unpack_int4(codes + r * K / 2 + c * 32));
+        codes = unpacked;
+      }
+      for (int64_t g = 0; g < groups; ++g)
+        strip<BITS>(w, codes, K, xc, xscales.data(), xsums.data(), s * TILE, g, g * TILE,
+                    static_cast<int>(std::min<int64_t>(TILE, M - g * TILE)), N, out);
+    }
+    _tile_release();
+  });
+  return strips * TILE;
+}
+
+}  // namespace tokenmill::int_dot::amx
