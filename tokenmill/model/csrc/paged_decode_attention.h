@@ -57,6 +57,30 @@ static inline void for_each_row(const T* cache, const int32_t* table, int64_t fi
   }
 }
 
+// Calls visit(t - first, rows, n) for runs of n <= 16 consecutive context tokens from `first`, rows
+// pointing at the first one's K (or V) row (the run's rows follow at row_len): one run per 16 rows of
+// a block.
+// The next block is prefetched while one is visited: blocks sit anywhere in the cache, too short
+// (16 tokens: 6 KiB of K for SmolLM2) for the hardware prefetchers to ramp up on their own.
+template <typename T, typename F>
+static inline void for_each_run(const T* cache, const int32_t* table, int64_t first, int64_t len,
+                                int64_t block_size, int64_t row_len, F&& visit) {
+  const int64_t block_bytes = block_size * row_len * static_cast<int64_t>(sizeof(T));
+  const int64_t last = (len - 1) / block_size;
+  for (int64_t b = first / block_size, t = first; t < len; ++b) {
+    const T* block = cache + static_cast<int64_t>(table[b]) * block_size * row_len;
+    if (b < last) {
+      const char* next = reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[b + 1]) * block_size * row_len);
+      for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off, 0, 2);
+    }
+    for (int64_t i = t % block_size; i < block_size && t < len;) {
+      const int64_t n = std::min<int64_t>({16, block_size - i, len - t});
+      visit(t - first, block + i * row_len, n);
+      i += n, t += n;
+    }
+  }
+}
+
 // Token rows of context a work item should hold before it is worth its own thread: below it
 // (batch 1, short contexts) the whole call runs on the calling thread, an OpenMP fork costing
 // more than the arithmetic.
@@ -72,7 +96,24 @@ static inline __m512 load16(const at::BFloat16* p) {
 static inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-constexpr int64_t MAX_VECS = 128;  // query heads x head_dim / 16 the vector path holds (16 heads x 128)
+
+// Lane i = the sum of d[i]'s 16 lanes, for 16 vectors at once: a transpose-and-add tree (45 ops for
+// 16 sums, where a reduction per vector costs ~9 each).
+static inline __m512 sum16(const __m512* d) {
+  __m512 x[8], y[4];
+  for (int k = 0; k < 8; ++k)   // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = d[2k], b = d[2k+1]
+    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * k], d[2 * k + 1]), _mm512_unpackhi_ps(d[2 * k], d[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of d[4k .. 4k+3]
+    const __m512d a = _mm512_castps_pd(x[2 * k]), b = _mm512_castps_pd(x[2 * k + 1]);
+    y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // add the four 128-bit lanes: lane group k of the result = y[k]'s totals
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+constexpr int64_t MAX_GROUP = 16;      // query heads per KV head the vector path takes
+constexpr int64_t MAX_HEAD_VECS = 16;  // head_dim / 16 the vector path takes (head_dim <= 256)
 #endif
 
 // Softmax of `len` scores in place.
@@ -89,6 +130,64 @@ static inline void softmax_(float* sh, int64_t len) {
   for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
 }
 
+#if defined(__AVX512F__)
+// attend_heads for float caches on AVX-512 (arguments as there), NV = head_dim / 16 (0: not fixed).
+// K: 16 tokens at a time, each K row converted once and held in registers for its `group` query
+// heads, a head's 16 dot products summed together (sum16). V: a run of 16 rows converted to fp32
+// once into an L1 buffer, then each query head's output slice accumulates in registers over the run.
+template <int NV, typename T>
+static void attend_heads_avx512(const float* qs, const T* k_cache, const T* v_cache, const int32_t* table,
+                                int64_t first, int64_t end, int64_t block_size, int64_t row_len, int64_t h0,
+                                int64_t h1, int64_t group, int64_t D, float* scores, float* acc) {
+  const int64_t nv = NV > 0 ? NV : D / 16, len = end - first, heads = (h1 - h0) * group;
+  constexpr int64_t MAX_NV = NV > 0 ? NV : MAX_HEAD_VECS;
+  __m512 dots[MAX_GROUP][16];
+  for_each_run(k_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* rows, int64_t n) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* q = qs + (h - h0) * group * D;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i >= n) {
+          for (int64_t g = 0; g < group; ++g) dots[g][i] = _mm512_setzero_ps();
+          continue;
+        }
+        const T* kh = rows + i * row_len + h * D;
+        __m512 k[MAX_NV];
+        for (int64_t j = 0; j < nv; ++j) k[j] = load16(kh + 16 * j);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + g * D;
+          __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+          for (int64_t j = 1; j < nv; ++j) d = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], d);
+          dots[g][i] = d;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        _mm512_mask_storeu_ps(scores + ((h - h0) * group + g) * len + t, __mmask16((1u << n) - 1), sum16(dots[g]));
+    }
+  });
+  for (int64_t hq = 0; hq < heads; ++hq) softmax_(scores + hq * len, len);
+  std::fill(acc, acc + heads * D, 0.f);
+  alignas(64) float vconv[16 * 16 * MAX_HEAD_VECS];   // a run of 16 V rows of one head, as fp32
+  for_each_run(v_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* rows, int64_t n) {
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < nv; ++j) _mm512_store_ps(vconv + i * D + 16 * j, load16(rows + i * row_len + h * D + 16 * j));
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t hq = (h - h0) * group + g;
+        float* out = acc + hq * D;
+        const float* p = scores + hq * len + t;
+        __m512 a[MAX_NV];
+        for (int64_t j = 0; j < nv; ++j) a[j] = _mm512_loadu_ps(out + 16 * j);
+        for (int64_t i = 0; i < n; ++i) {
+          const __m512 pi = _mm512_set1_ps(p[i]);
+          for (int64_t j = 0; j < nv; ++j) a[j] = _mm512_fmadd_ps(pi, _mm512_load_ps(vconv + i * D + 16 * j), a[j]);
+        }
+        for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(out + 16 * j, a[j]);
+      }
+    }
+  });
+}
+#endif
+
 // One sequence, KV heads [h0, h1): query heads h0 * group .. h1 * group - 1, qs [(h1 - h0) * group,
 // D] (already scaled), attend to the K/V rows of their KV head at context positions [first, end);
 // out acc [same shape]. scores: [(h1 - h0) * group, end - first] scratch. k_scale / v_scale: the
@@ -104,29 +203,18 @@ static void attend_heads(const float* qs, const T* k_cache, const T* v_cache, co
 #if defined(__AVX512F__)
   constexpr bool vector_dtype = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
   const int64_t nv = D / 16;
-  if constexpr (vector_dtype) if (D % 16 == 0 && heads * nv <= MAX_VECS && k_scale == nullptr) {
-    __m512 qv[MAX_VECS], av[MAX_VECS];
-    for (int64_t i = 0; i < heads * nv; ++i) qv[i] = _mm512_loadu_ps(qs + 16 * i);
-    for_each_row(k_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* krow, int64_t) {
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const T* kh = krow + (h0 + hq / group) * D;
-        __m512 dot = _mm512_mul_ps(qv[hq * nv], load16(kh));
-        for (int64_t j = 1; j < nv; ++j) dot = _mm512_fmadd_ps(qv[hq * nv + j], load16(kh + 16 * j), dot);
-        scores[hq * len + t] = _mm512_reduce_add_ps(dot);
-      }
-    });
-    for (int64_t hq = 0; hq < heads; ++hq) softmax_(scores + hq * len, len);
-    for (int64_t i = 0; i < heads * nv; ++i) av[i] = _mm512_setzero_ps();
-    for_each_row(v_cache, table, first, end, block_size, row_len, [&](int64_t t, const T* vrow, int64_t) {
-      for (int64_t h = h0; h < h1; ++h)
-        for (int64_t j = 0; j < nv; ++j) {
-          const __m512 v = load16(vrow + h * D + 16 * j);
-          for (int64_t hq = (h - h0) * group; hq < (h - h0 + 1) * group; ++hq)
-            av[hq * nv + j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[hq * len + t]), v, av[hq * nv + j]);
-        }
-    });
-    for (int64_t i = 0; i < heads * nv; ++i) _mm512_storeu_ps(acc + 16 * i, av[i]);
-    return;
+  if constexpr (vector_dtype) if (D % 16 == 0 && nv <= MAX_HEAD_VECS && group <= MAX_GROUP && k_scale == nullptr) {
+    // head_dim 64 / 128 / 256 with the vector count fixed at compile time (registers, unrolled loops)
+    auto run = [&](auto nv_const) {
+      attend_heads_avx512<decltype(nv_const)::value>(qs, k_cache, v_cache, table, first, end, block_size, row_len,
+                                                     h0, h1, group, D, scores, acc);
+    };
+    switch (nv) {
+      case 4: run(std::integral_constant<int, 4>{}); return;
+      case 8: run(std::integral_constant<int, 8>{}); return;
+      case 16: run(std::integral_constant<int, 16>{}); return;
+      default: run(std::integral_constant<int, 0>{}); return;
+    }
   }
 #endif
   // A KV head's row is converted to fp32 once, its scales folded in (quantized codes: G scales per
