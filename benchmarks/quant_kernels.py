@@ -6,7 +6,8 @@ forward of the whole stack per timing, median of 5 rounds. Paths: dense fp32 and
 tokenmill's Int8Linear / Int4Linear (rtn4, group 64) / NF4Linear forced onto their small-M
 kernel, their tiled dequantize+GEMM (`tiled`, csrc/tiled_dequant_gemm.cpp) or the whole-weight
 dequantize+GEMM path, and, where the CPU has VNNI/AMX, `torch._int_mm` (W8A8) and tokenmill's
-integer-dot kernel (`int_dot`, csrc/int_dot_linear.cpp: x quantized per block to int8).
+integer-dot kernel (`int_dot`, csrc/int_dot_linear.cpp: x quantized per block to int8); with
+AMX-INT8, `int_dot` is its VNNI half and `AMX` the same kernel on AMX tiles (csrc/int_dot_amx.h).
 
     .venv/bin/python benchmarks/quant_kernels.py --rows 1,8,32,64,128 --threads 2 [--act-dtype bfloat16]
 """
@@ -55,6 +56,8 @@ def main() -> None:
     weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
     bf16 = [w.bfloat16() for w in weights]
     has_int_dot = int_dot.int_dot_available()
+    has_amx = has_int_dot and int_dot.int_dot_kernels().has_amx()
+    amx_default = int_dot.int_dot_kernels().amx_min_rows() if has_amx else None
     int_dot.ENABLED = False                 # these layers keep torch's weight-only kernels
     int8 = [Int8Linear.from_float(w, None) for w in weights]
     int4 = [Int4Linear(rtn_quantize(w, 4, 64), None) for w in weights]
@@ -68,7 +71,8 @@ def main() -> None:
     header = ["M", "fp32", "bf16", "int8 kernel", "int8 tiled", "int8 deq+mm", "int4 kernel", "int4 tiled",
               "int4 deq+mm", "nf4 kernel", "nf4 tiled",
               "nf4 deq+mm"] + (["W8A8 _int_mm"] if fast_int8 else []) + (
-              ["int8 int_dot", "int4 int_dot"] if has_int_dot else [])
+              ["int8 int_dot", "int4 int_dot"] if has_int_dot else []) + (
+              ["int8 AMX", "int4 AMX"] if has_amx else [])
     print(" | ".join(f"{h:>12s}" for h in header))
     for m_rows in (int(r) for r in args.rows.split(",")):
         xs = {dt: {k: torch.randn(m_rows, k).to(dt) for k in (576, 1536)} for dt in (torch.float32, torch.bfloat16)}
@@ -86,8 +90,14 @@ def main() -> None:
             xq = {k: torch.randint(-127, 127, (max(m_rows, 17), k), dtype=torch.int8) for k in (576, 1536)}
             row.append(timed(lambda: [torch._int_mm(xq[q.shape[0]], q) for q in qint]))
         kernels._OVERRIDE = 10 ** 6
-        for mods in ((dot8, dot4) if has_int_dot else ()):
-            row.append(timed(lambda: [m(xs[act][m.in_features]) for m in mods]))
+        dot = int_dot.int_dot_kernels()
+        for amx_rows in ((10 ** 9, 1) if has_amx else (None,)):   # AMX machines: the VNNI kernel, then AMX tiles
+            if amx_rows is not None:
+                dot.set_amx_min_rows(amx_rows, amx_rows)
+            for mods in ((dot8, dot4) if has_int_dot else ()):
+                row.append(timed(lambda: [m(xs[act][m.in_features]) for m in mods]))
+        if has_amx:
+            dot.set_amx_min_rows(*amx_default)
         kernels._OVERRIDE = None
         print(" | ".join([f"{m_rows:>12d}"] + [f"{v:12.2f}" for v in row]), flush=True)
     print(f"ms per forward of all 30 layers' linears (median of 5); quantized paths fed {args.act_dtype}")

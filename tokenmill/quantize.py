@@ -75,7 +75,7 @@ def calibration_sequences(spec: str, tokenizer: Any, max_len: int = 512) -> list
             if len(seqs) == n:
                 break
             ids = (_chat_ids(tokenizer, conv.turns) if kind == "sharegpt"
-                   else list(tokenizer("\n\n".join(t for _, t in conv.turns))["input_ids"]))
+                   else list(tokenizer(conv.plain_text())["input_ids"]))
             if ids is not None and len(ids) >= MIN_CALIB_TOKENS:
                 seqs.append(ids[:max_len])
         if len(seqs) < n:

@@ -75,8 +75,7 @@ def eval_chunks(tokenizer: Any, held_out: list[Conversation], eval_tokens: int, 
     chunks: list[list[int]] = []
     predicted = 0
     for idx in order:
-        text = "\n\n".join(t for _, t in held_out[idx].turns)
-        ids = list(tokenizer(text)["input_ids"])
+        ids = list(tokenizer(held_out[idx].plain_text())["input_ids"])
         for i in range(0, len(ids), chunk_tokens):
             chunk = ids[i:i + chunk_tokens]
             if len(chunk) < 2:

@@ -34,6 +34,11 @@ class Conversation:
     id: str
     turns: list[tuple[str, str]]  # (role, text); role is "human" | "gpt" | ...
 
+    def plain_text(self) -> str:
+        """Every turn's text joined by a blank line, no roles or template: what `bench quality`
+        scores and `--calib sharegpt-plain` calibrates on."""
+        return "\n\n".join(t for _, t in self.turns)
+
 
 @dataclass(slots=True)
 class Request:
