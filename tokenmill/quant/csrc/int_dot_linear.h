@@ -155,24 +155,25 @@ void run_tiles(const Weights& w, const Activations& a, int64_t M, int64_t N, Out
 
 template <int BITS>
 torch::Tensor run(const torch::Tensor& x, const Weights& w, int64_t N, const std::optional<torch::Tensor>& perm) {
-  // int8 weights meet x + 128 on VNNI / AVX2, plain signed x on AMX
-  auto activations = [&](bool offset) {
-    const QuantizedX q = quantize(x, w.B, BITS == 8 && offset, perm);
-    return std::make_pair(q, Activations{reinterpret_cast<const uint8_t*>(q.codes.data_ptr<int8_t>()),
-                                         q.scales.data_ptr<float>(), q.sums.data_ptr<float>()});
+  auto view = [](const QuantizedX& q) {
+    return Activations{reinterpret_cast<const uint8_t*>(q.codes.data_ptr<int8_t>()), q.scales.data_ptr<float>(),
+                       q.sums.data_ptr<float>()};
   };
+  // int8 weights meet x + 128 on VNNI / AVX2, plain signed x on AMX (int4 weights: signed x on both)
+  const bool vnni_offset = BITS == 8 && kOffsetInt8X;
   auto out = torch::empty({x.size(0), N}, x.options());
   auto compute = [&](auto* y) {
     int64_t n0 = 0;
+    std::optional<QuantizedX> signed_x;
 #ifdef TM_HAVE_AMX
     if (x.size(0) >= amx::min_rows<BITS>() && N >= amx::TILE && amx::enabled()) {
-      const auto [q, a] = activations(false);
-      n0 = amx::run_strips<BITS>(w, a, x.size(0), N, y);
+      signed_x = quantize(x, w.B, false, perm);
+      n0 = amx::run_strips<BITS>(w, view(*signed_x), x.size(0), N, y);
     }
 #endif
-    if (n0 < N) {   // all of y, or the rows past AMX's last whole strip
-      const auto [q, a] = activations(kOffsetInt8X);
-      run_tiles<BITS>(w, a, x.size(0), N, y, n0);
+    if (n0 < N) {   // all of y, or the rows past AMX's last whole strip (x quantized once where it can)
+      const QuantizedX q = signed_x && !vnni_offset ? *signed_x : quantize(x, w.B, vnni_offset, perm);
+      run_tiles<BITS>(w, view(q), x.size(0), N, y, n0);
     }
   };
   if (x.scalar_type() == torch::kFloat32) compute(out.data_ptr<float>());
