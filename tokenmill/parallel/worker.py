@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,12 +67,19 @@ def _die_with_parent() -> None:
 
 def join_as_worker(config: EngineConfig, rank: int, world_size: int, init_method: str | None = None) -> None:
     """A rank > 0 from start to finish: join the group (torchrun's env:// when no init_method),
-    follow rank 0's steps, leave."""
+    follow rank 0's steps, leave, and end the process."""
     if world_size != config.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} but torchrun started {world_size} ranks")
     tp = init_tensor_parallel(rank, world_size, config.resolve_device(), init_method)
     run_worker(config, tp)
     dist.destroy_process_group()
+    # Skip the interpreter's C++ static destructors: with rank 0 (and torchrun's store) already
+    # gone, one of torch's distributed threads is still joinable there and aborts the process
+    # (SIGABRT, "terminate called without an active exception") after a clean stop.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _worker_main(config: EngineConfig, rank: int, init_method: str) -> None:
