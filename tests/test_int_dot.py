@@ -102,7 +102,8 @@ def test_int8_linear_takes_the_int_dot_path(smooth, monkeypatch):
 @pytest.mark.skipif(not (int_dot_kernels() is not None and int_dot_kernels().has_amx()), reason="no AMX-INT8")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 4, 16, 33, 100])
-def test_amx_tiles_match_the_vnni_kernel(bits, m):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_tiles_match_the_vnni_kernel(bits, m, dtype):
     """The AMX kernel (whole 16-row strips; the 5 rows past them stay on VNNI) against the VNNI
     kernel on the same call: same integer products, fp32 sums in another order."""
     torch.manual_seed(m + bits)
@@ -114,7 +115,7 @@ def test_amx_tiles_match_the_vnni_kernel(bits, m):
     else:
         weights = Int8DotWeights.build(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01,
                                        bias, int8_block(k))
-    x = torch.randn(m, k)
+    x = torch.randn(m, k).to(dtype)
     mod = int_dot_kernels()
     saved = mod.amx_min_rows()
     try:
@@ -124,4 +125,6 @@ def test_amx_tiles_match_the_vnni_kernel(bits, m):
         vnni = weights.linear(x)
     finally:
         mod.set_amx_min_rows(*saved)
-    assert (amx - vnni).abs().max() <= 1e-5 * vnni.abs().max()
+    assert amx.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7   # bf16: two roundings of nearly equal fp32 sums, an ulp apart
+    assert ((amx.float() - vnni.float()).abs() <= tol * vnni.float().abs() + 1e-5 * vnni.float().abs().max()).all()

@@ -52,6 +52,9 @@ struct alignas(64) TileConfig {
 inline void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = TILE;
+  // gcc may treat the config stores as dead (seen: colsb dropped, and ldtilecfg faulting on rows
+  // without columns): make every byte reach memory first
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -77,13 +80,58 @@ inline void pack_x(const Activations& a, int64_t M, int64_t K, int64_t nb, uint8
   }
 }
 
+// 16 x 16 floats in registers: r[i][j] -> r[j][i] (32-bit, 64-bit, then two 128-bit lane shuffles)
+inline void transpose16(__m512 r[TILE]) {
+  __m512 t[TILE], u[TILE];
+  for (int i = 0; i < TILE; i += 2) {   // t[i], t[i+1]: rows i, i+1 interleaved per 32 bits
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < TILE; i += 4) {   // u[i + c], lane L: column 4L + c of rows i..i+3
+    auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
+    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[i]), pd(t[i + 2])));
+    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[i]), pd(t[i + 2])));
+    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[i + 1]), pd(t[i + 3])));
+    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[i + 1]), pd(t[i + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {         // 4 x 4 transpose of the 128-bit lanes of u[c], u[4+c], u[8+c], u[12+c]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store16(at::BFloat16* dst, __m512 v) {   // round to nearest even, as at::BFloat16 does
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// A strip's int4 group scales and offsets as fp32, [K/B][16 rows] (read once per strip, used by every
+// activation group).
+struct StripTables {
+  std::vector<float> scales, offsets;
+  void load(const Weights& w, int64_t n0) {
+    const int64_t nb = w.K / w.B;
+    scales.resize(nb * TILE);
+    offsets.resize(nb * TILE);
+    for (int r = 0; r < TILE; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        scales[b * TILE + r] = static_cast<float>(w.scales[(n0 + r) * nb + b]);
+        offsets[b * TILE + r] = static_cast<float>(w.offsets[(n0 + r) * nb + b]);
+      }
+  }
+};
+
 // One 16-row weight strip from n0 against one group of 16 activation rows: out rows m0.. (mt of them).
 // strip_codes: the strip's weight codes as bytes, 16 rows of K at `stride` (int8: the weight itself;
-// int4: unpacked once per strip into a scratch buffer).
+// int4: unpacked once per strip into a scratch buffer, its fp32 tables in `tables`).
 template <int BITS, typename Out>
-inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, const uint8_t* xcodes,
-                  const float* xscales, const float* xsums, int64_t n0, int64_t g, int64_t m0, int mt, int64_t N,
-                  Out* out) {
+inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, const StripTables& tables,
+                  const uint8_t* xcodes, const float* xscales, const float* xsums, int64_t n0, int64_t g,
+                  int64_t m0, int mt, int64_t N, Out* out) {
   const int64_t K = w.K, B = w.B, nb = K / B, chunks = K / 64;
   alignas(64) int32_t c_tile[2][TILE][TILE];   // two blocks in flight: one multiplying, one being folded
   __m512 acc[TILE];
@@ -104,13 +152,12 @@ inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, 
     const __m512 sx = _mm512_loadu_ps(xscales + (g * nb + b) * TILE);
     for (int r = 0; r < TILE; ++r) {
       const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(c_tile[b & 1][r]));
-      const int64_t n = n0 + r;
       if constexpr (BITS == 8) {   // x's block scale (the row scale comes last)
         acc[r] = _mm512_fmadd_ps(dots, sx, acc[r]);
       } else {                     // weight scale x x scale, + offset x the block's sum of x
-        const __m512 s = _mm512_mul_ps(sx, _mm512_set1_ps(static_cast<float>(w.scales[n * nb + b])));
+        const __m512 s = _mm512_mul_ps(sx, _mm512_set1_ps(tables.scales[b * TILE + r]));
         acc[r] = _mm512_fmadd_ps(dots, s, acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(w.offsets[n * nb + b])),
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(tables.offsets[b * TILE + r]),
                                  _mm512_loadu_ps(xsums + (g * nb + b) * TILE), acc[r]);
       }
     }
@@ -123,14 +170,10 @@ inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, 
   }
   fold(nb - 1);
 #undef TM_AMX_MULTIPLY
-  alignas(64) float res[TILE][TILE];
-  for (int r = 0; r < TILE; ++r) {
-    __m512 v = BITS == 8 ? _mm512_mul_ps(acc[r], _mm512_set1_ps(w.row_scale[n0 + r])) : acc[r];
-    if (w.bias) v = _mm512_add_ps(v, _mm512_set1_ps(w.bias[n0 + r]));
-    _mm512_store_ps(res[r], v);
-  }
-  for (int t = 0; t < mt; ++t)
-    for (int r = 0; r < TILE; ++r) out[(m0 + t) * N + n0 + r] = static_cast<Out>(res[r][t]);
+  transpose16(acc);   // acc[t]: activation row m0 + t's outputs n0..n0+15, stored as one vector
+  const __m512 row_scale = BITS == 8 ? _mm512_loadu_ps(w.row_scale + n0) : _mm512_set1_ps(1.f);
+  const __m512 bias = w.bias ? _mm512_loadu_ps(w.bias + n0) : _mm512_setzero_ps();
+  for (int t = 0; t < mt; ++t) store16(out + (m0 + t) * N + n0, _mm512_add_ps(_mm512_mul_ps(acc[t], row_scale), bias));
 }
 
 // The whole strips of y[M, N]; returns the first row n not written (N rounded down to 16).
@@ -145,6 +188,7 @@ int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N,
     configure_tiles();
     std::vector<uint8_t> scratch(BITS == 4 ? TILE * K + 64 : 0);   // int4: one strip's codes as bytes
     uint8_t* unpacked = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+    StripTables tables;
     for (int64_t s = begin; s < end; ++s) {
       const uint8_t* codes = w.codes + s * TILE * (BITS == 4 ? K / 2 : K);
       if constexpr (BITS == 4) {
@@ -152,9 +196,10 @@ int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N,
           for (int64_t c = 0; c < K / 64; ++c)
             _mm512_store_si512(unpacked + r * K + c * 64, unpack_int4(codes + r * K / 2 + c * 32));
         codes = unpacked;
+        tables.load(w, s * TILE);
       }
       for (int64_t g = 0; g < groups; ++g)
-        strip<BITS>(w, codes, K, xc, xscales.data(), xsums.data(), s * TILE, g, g * TILE,
+        strip<BITS>(w, codes, K, tables, xc, xscales.data(), xsums.data(), s * TILE, g, g * TILE,
                     static_cast<int>(std::min<int64_t>(TILE, M - g * TILE)), N, out);
     }
     _tile_release();

@@ -79,7 +79,7 @@ struct Activations {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include "int_dot_vnni.h"
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)   // every AMX CPU has AVX512-BF16
 #define TM_HAVE_AMX 1
 #include "int_dot_amx.h"
 #endif
