@@ -58,29 +58,7 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// x codes [M, K] (int8, never offset: AMX multiplies signed by signed) -> [groups][K/64][16 K-quads][16 rows][4 bytes] (rows past M are zero); per-block
-// scales and sums [groups][K/B][16] (the rows of a group side by side, one vector per block).
-inline void pack_x(const Activations& a, int64_t M, int64_t K, int64_t nb, uint8_t* codes, float* scales,
-                   float* sums) {
-  const int64_t groups = (M + TILE - 1) / TILE, chunks = K / 64;
-  std::memset(codes, 0, groups * chunks * TILE_BYTES);
-  std::memset(scales, 0, groups * nb * TILE * sizeof(float));
-  std::memset(sums, 0, groups * nb * TILE * sizeof(float));
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t g = m / TILE, i = m % TILE;
-    const uint8_t* row = a.codes + m * K;
-    for (int64_t c = 0; c < chunks; ++c) {
-      uint8_t* tile = codes + (g * chunks + c) * TILE_BYTES;
-      for (int q = 0; q < TILE; ++q) std::memcpy(tile + q * 64 + i * 4, row + c * 64 + q * 4, 4);
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-      scales[(g * nb + b) * TILE + i] = a.scales[m * nb + b];
-      sums[(g * nb + b) * TILE + i] = a.sums[m * nb + b];
-    }
-  }
-}
-
-// 16 x 16 floats in registers: r[i][j] -> r[j][i] (32-bit, 64-bit, then two 128-bit lane shuffles)
+// 16 x 16 32-bit values in registers: r[i][j] -> r[j][i] (32-bit, 64-bit, then two 128-bit lane shuffles)
 inline void transpose16(__m512 r[TILE]) {
   __m512 t[TILE], u[TILE];
   for (int i = 0; i < TILE; i += 2) {   // t[i], t[i+1]: rows i, i+1 interleaved per 32 bits
@@ -102,6 +80,33 @@ inline void transpose16(__m512 r[TILE]) {
     r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
     r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
   }
+}
+
+// x codes [M, K] (int8, never offset: AMX multiplies signed by signed) -> [groups][K/64][16 K-quads][16
+// rows][4 bytes] (rows past M are zero): per 64-column chunk, the 16 rows' dwords transposed. Per-block
+// scales and sums -> [groups][K/B][16] (the rows of a group side by side, one vector per block).
+inline void pack_x(const Activations& a, int64_t M, int64_t K, int64_t nb, uint8_t* codes, float* scales,
+                   float* sums) {
+  const int64_t groups = (M + TILE - 1) / TILE, chunks = K / 64;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t rows = std::min<int64_t>(TILE, M - g * TILE);
+      const uint8_t* x = a.codes + g * TILE * K;
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512 t[TILE];
+        for (int i = 0; i < TILE; ++i)
+          t[i] = i < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(x + i * K + c * 64)) : _mm512_setzero_ps();
+        transpose16(t);
+        uint8_t* tile = codes + (g * chunks + c) * TILE_BYTES;
+        for (int q = 0; q < TILE; ++q) _mm512_store_ps(reinterpret_cast<float*>(tile + q * 64), t[q]);
+      }
+      for (int64_t b = 0; b < nb; ++b)
+        for (int i = 0; i < TILE; ++i) {
+          scales[(g * nb + b) * TILE + i] = i < rows ? a.scales[(g * TILE + i) * nb + b] : 0.f;
+          sums[(g * nb + b) * TILE + i] = i < rows ? a.sums[(g * TILE + i) * nb + b] : 0.f;
+        }
+    }
+  });
 }
 
 inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
