@@ -20,6 +20,7 @@ namespace tokenmill::int_dot::amx {
 
 constexpr int TILE = 16;              // weight rows per strip = activation rows per group
 constexpr int TILE_BYTES = TILE * 64;
+constexpr int64_t L1_BUDGET = 32 * 1024;   // bytes of weight strips + one activation group kept in L1
 
 // Linux hands out AMX tile state only to processes that ask for it (once per process).
 inline bool enabled() {
@@ -140,6 +141,7 @@ inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, 
   const int64_t K = w.K, B = w.B, nb = K / B, chunks = K / 64;
   alignas(64) int32_t c_tile[2][TILE][TILE];   // two blocks in flight: one multiplying, one being folded
   __m512 acc[TILE];
+#pragma GCC unroll 16
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
   // block b's products into tile C (tmm0 or tmm3, alternating by block; gcc's tile intrinsics take
   // register numbers as literals, hence a macro)
@@ -153,32 +155,40 @@ inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, 
       if constexpr (BITS == 8) _tile_dpbssd(C, 1, 2); else _tile_dpbusd(C, 1, 2);                  \
     }                                                                                              \
   } while (0)
-  auto fold = [&](int64_t b) {   // acc += block b's int32 dots, scaled
-    const __m512 sx = _mm512_loadu_ps(xscales + (g * nb + b) * TILE);
-    for (int r = 0; r < TILE; ++r) {
-      const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(c_tile[b & 1][r]));
-      if constexpr (BITS == 8) {   // x's block scale (the row scale comes last)
-        acc[r] = _mm512_fmadd_ps(dots, sx, acc[r]);
-      } else {                     // weight scale x x scale, + offset x the block's sum of x
-        const __m512 s = _mm512_mul_ps(sx, _mm512_set1_ps(tables.scales[b * TILE + r]));
-        acc[r] = _mm512_fmadd_ps(dots, s, acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(tables.offsets[b * TILE + r]),
-                                 _mm512_loadu_ps(xsums + (g * nb + b) * TILE), acc[r]);
+  for (int64_t b = 0; b <= nb; ++b) {
+    // the tile instructions of block b run while the vector units fold block b - 1
+    if (b < nb) {
+      if (b & 1) TM_AMX_MULTIPLY(3); else TM_AMX_MULTIPLY(0);
+    }
+    if (b > 0) {   // acc += block f's int32 dots, scaled (one fold site, so acc stays in registers)
+      const int64_t f = b - 1;
+      const __m512 sx = _mm512_loadu_ps(xscales + (g * nb + f) * TILE);
+#pragma GCC unroll 16
+      for (int r = 0; r < TILE; ++r) {
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(c_tile[f & 1][r]));
+        if constexpr (BITS == 8) {   // x's block scale (the row scale comes last)
+          acc[r] = _mm512_fmadd_ps(dots, sx, acc[r]);
+        } else {                     // weight scale x x scale, + offset x the block's sum of x
+          const __m512 s = _mm512_mul_ps(sx, _mm512_set1_ps(tables.scales[f * TILE + r]));
+          acc[r] = _mm512_fmadd_ps(dots, s, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(tables.offsets[f * TILE + r]),
+                                   _mm512_loadu_ps(xsums + (g * nb + f) * TILE), acc[r]);
+        }
       }
     }
-  };
-  for (int64_t b = 0; b < nb; ++b) {
-    // the tile instructions of block b run while the vector units fold block b - 1
-    if (b & 1) TM_AMX_MULTIPLY(3); else TM_AMX_MULTIPLY(0);
-    if (b > 0) fold(b - 1);
-    if (b & 1) _tile_stored(3, c_tile[1], 64); else _tile_stored(0, c_tile[0], 64);
+    if (b < nb) {
+      if (b & 1) _tile_stored(3, c_tile[1], 64); else _tile_stored(0, c_tile[0], 64);
+    }
   }
-  fold(nb - 1);
 #undef TM_AMX_MULTIPLY
-  transpose16(acc);   // acc[t]: activation row m0 + t's outputs n0..n0+15, stored as one vector
+  // a copy, so that acc's address never escapes and it can live in registers across the tile ops
+  __m512 res[TILE];
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE; ++r) res[r] = acc[r];
+  transpose16(res);   // res[t]: activation row m0 + t's outputs n0..n0+15, stored as one vector
   const __m512 row_scale = BITS == 8 ? _mm512_loadu_ps(w.row_scale + n0) : _mm512_set1_ps(1.f);
   const __m512 bias = w.bias ? _mm512_loadu_ps(w.bias + n0) : _mm512_setzero_ps();
-  for (int t = 0; t < mt; ++t) store16(out + (m0 + t) * N + n0, _mm512_add_ps(_mm512_mul_ps(acc[t], row_scale), bias));
+  for (int t = 0; t < mt; ++t) store16(out + (m0 + t) * N + n0, _mm512_add_ps(_mm512_mul_ps(res[t], row_scale), bias));
 }
 
 // The whole strips of y[M, N]; returns the first row n not written (N rounded down to 16).
@@ -189,23 +199,34 @@ int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N,
   std::vector<float> xscales(groups * nb * TILE), xsums(groups * nb * TILE);
   uint8_t* xc = xcodes.data() + (64 - reinterpret_cast<uintptr_t>(xcodes.data()) % 64) % 64;
   pack_x(a, M, K, nb, xc, xscales.data(), xsums.data());
-  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+  // Strips are walked in runs of `run` whose codes stay in L1 together with one activation group, and
+  // each group meets every strip of the run before the next group is read: x then streams from L2
+  // once per run instead of once per strip (a tile product costs about as much as loading 1 KB of x
+  // from L2).
+  const int64_t strip_bytes = TILE * K, run = std::max<int64_t>(1, L1_BUDGET / strip_bytes - 1);
+  at::parallel_for(0, (strips + run - 1) / run, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    std::vector<uint8_t> scratch(BITS == 4 ? TILE * K + 64 : 0);   // int4: one strip's codes as bytes
+    std::vector<uint8_t> scratch(BITS == 4 ? run * strip_bytes + 64 : 0);   // int4: the run's codes as bytes
     uint8_t* unpacked = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
-    StripTables tables;
-    for (int64_t s = begin; s < end; ++s) {
-      const uint8_t* codes = w.codes + s * TILE * (BITS == 4 ? K / 2 : K);
-      if constexpr (BITS == 4) {
-        for (int64_t r = 0; r < TILE; ++r)
-          for (int64_t c = 0; c < K / 64; ++c)
-            _mm512_store_si512(unpacked + r * K + c * 64, unpack_int4(codes + r * K / 2 + c * 32));
-        codes = unpacked;
-        tables.load(w, s * TILE);
+    std::vector<StripTables> tables(run);
+    std::vector<const uint8_t*> codes(run);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t s0 = p * run, count = std::min(run, strips - s0);
+      for (int64_t i = 0; i < count; ++i) {
+        codes[i] = w.codes + (s0 + i) * TILE * (BITS == 4 ? K / 2 : K);
+        if constexpr (BITS == 4) {
+          uint8_t* dst = unpacked + i * strip_bytes;
+          for (int64_t r = 0; r < TILE; ++r)
+            for (int64_t c = 0; c < K / 64; ++c)
+              _mm512_store_si512(dst + r * K + c * 64, unpack_int4(codes[i] + r * K / 2 + c * 32));
+          codes[i] = dst;
+          tables[i].load(w, (s0 + i) * TILE);
+        }
       }
       for (int64_t g = 0; g < groups; ++g)
-        strip<BITS>(w, codes, K, tables, xc, xscales.data(), xsums.data(), s * TILE, g, g * TILE,
-                    static_cast<int>(std::min<int64_t>(TILE, M - g * TILE)), N, out);
+        for (int64_t i = 0; i < count; ++i)
+          strip<BITS>(w, codes[i], K, tables[i], xc, xscales.data(), xsums.data(), (s0 + i) * TILE, g, g * TILE,
+                      static_cast<int>(std::min<int64_t>(TILE, M - g * TILE)), N, out);
     }
     _tile_release();
   });
