@@ -112,7 +112,8 @@ def test_int8_tiled_matches_whole_weight_dequant(smooth, monkeypatch):
 
 @pytest.mark.parametrize("rows", [12, 48])            # tile by tile; the whole weight at once
 @pytest.mark.parametrize("bits", [4, 8])
-def test_tiled_bf16_tiles_match_the_rounded_weight(bits, rows, monkeypatch):
+@pytest.mark.parametrize("k,group", [(1536, 64), (576, 128)])   # 576 in groups of 128: K padded to 640
+def test_tiled_bf16_tiles_match_the_rounded_weight(bits, rows, k, group, monkeypatch):
     """bf16 activations on a CPU with native bf16 dot products: tiles are decoded straight to
     bf16 (round to nearest even, as torch casts) and multiplied in bf16; against the dequantized
     weight cast by torch, in fp32 (elsewhere both run in fp32, and this checks that path)."""
@@ -120,13 +121,13 @@ def test_tiled_bf16_tiles_match_the_rounded_weight(bits, rows, monkeypatch):
     if not _tiled_available():
         pytest.skip("no tiled kernel on this CPU")
     torch.manual_seed(5)
-    w = torch.randn(1000, 1536) * 0.05
-    lin = Int4Linear(rtn_quantize(w, 4, 64), None) if bits == 4 else Int8Linear.from_float(w, None)
-    x = torch.randn(rows, 1536).bfloat16()
+    w = torch.randn(1000, k) * 0.05
+    lin = Int4Linear(rtn_quantize(w, 4, group), None) if bits == 4 else Int8Linear.from_float(w, None)
+    x = torch.randn(rows, k).bfloat16()
     monkeypatch.setattr(kernels, "_OVERRIDE", 0)
     got = lin(x)
     monkeypatch.setattr(tiled, "_ENABLED", False)
-    ref_w = lin(torch.eye(1536)).T                    # the dequantized weight, fp32 [N, K]
+    ref_w = lin(torch.eye(k)).T                       # the dequantized weight, fp32 [N, K]
     if kernels.cpu_has_fast_bf16_dot():
         ref_w = ref_w.bfloat16().float()
     ref = x.float() @ ref_w.T

@@ -2,7 +2,8 @@
 
 Small M runs tokenmill's integer-dot kernel on x86 CPUs with AVX512-VNNI or AVX2 (int_dot.py), else
 torch's packed int4 CPU kernel. Both want the group size to divide K (SmolLM2's 576 with group
-128 runs as group 64, see below; the tiled path zero-pads K instead), and act-order checkpoints
+128 runs as group 64, see below; the tiled path decodes the zero-padded K and multiplies the real
+columns), and act-order checkpoints
 get their input columns permuted once at load so groups are contiguous (x is permuted the same
 way per call). AWQ's scales are folded into the preceding layers by
 the calibration, so they never appear here.
@@ -139,7 +140,7 @@ class Int4Linear(nn.Module):
             xp = self._kernel_input(x, torch.bfloat16, self.kernel_k)
             y = torch._weight_int4pack_mm_for_cpu(xp, self.packed, self.kernel_group, self.scale_zero)
         elif tiled_supported(x, self.k_padded, self.group_size):
-            xp = self._kernel_input(x, x.dtype, self.k_padded)
+            xp = self._kernel_input(x, x.dtype, self.in_features)     # the kernel skips the padded columns
             y = tiled_linear(xp, self.q4, self.scales, self.offsets, None, 4, self.group_size)
         else:
             y = F.linear(x, self.dequantize().to(x.dtype))     # original column order: no permute

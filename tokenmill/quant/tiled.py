@@ -29,7 +29,7 @@ def tiled_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
 
 def tiled_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                  bias: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
-    """x [M, K] @ W^T + bias with W = codes * scale + offset per group (see the C++ header).
+    """x [M, Kx] @ W^T + bias with W [N, K >= Kx] = codes * scale + offset per group (see the C++ header).
     bf16 x multiplies bf16 tiles where the CPU has bf16 dot products, fp32 tiles otherwise."""
     return tiled_kernels().tiled_dequant_linear(x, codes, scale, offset, bias, bits, group_size,
                                                 cpu_has_fast_bf16_dot())
