@@ -42,9 +42,12 @@ _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
 #   AMX-INT8 (the same kernel multiplying on AMX tiles from 4 (int8) / 8 (int4) rows, int_dot_amx.h;
 #     2-core Sapphire Rapids, fed bf16, ms int_dot / tiled / bf16 GEMM, a noisy host): int8 15.81 /
 #     33.30 / 25.25 at M=64, 28.43 / 36.58 / 26.77 at 128, 67.89 / 90.45 / 83.73 at 256, 97.08 / 84.82
-#     / 77.92 at 512; int4 18.25 / 43.68 at 64, 45.96 / 36.10 at 128.
+#     / 77.92 at 512; int4 18.25 / 43.68 at 64, 45.96 / 36.10 at 128. After the kernel kept its
+#     accumulators in registers and walked strips in L1-sized runs (commit fa7dc2e; ms AMX / tiled,
+#     benchmarks/README.md): int8 38.95 / 44.78 at 256, 55.56 / 57.30 at 384, 72.40 / 68.04 at 512;
+#     int4 36.58 / 39.32 at 192, 48.57 / 43.37 at 256.
 _INT_DOT_MAX_ROWS = {"avx512_vnni": {"int8": 64, "int4": 32}, "avx512_vnni+amx": {"int8": 24, "int4": 16},
-                     "amx_int8": {"int8": 256, "int4": 96}, "avx2": {"int8": 12, "int4": 12}}
+                     "amx_int8": {"int8": 384, "int4": 192}, "avx2": {"int8": 12, "int4": 12}}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)
