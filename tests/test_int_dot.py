@@ -103,11 +103,11 @@ def test_int8_linear_takes_the_int_dot_path(smooth, monkeypatch):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 4, 16, 33, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_tiles_match_the_vnni_kernel(bits, m, dtype):
-    """The AMX kernel (whole 16-row strips; the 5 rows past them stay on VNNI) against the VNNI
+@pytest.mark.parametrize("n,k,group", [(101, 1536, 128), (117, 576, 64)])   # one strip per run; runs of 2, a short last
+def test_amx_tiles_match_the_vnni_kernel(bits, m, dtype, n, k, group):
+    """The AMX kernel (whole 16-row strips; the rows past them stay on VNNI) against the VNNI
     kernel on the same call: same integer products, fp32 sums in another order."""
     torch.manual_seed(m + bits)
-    n, k, group = 101, 1536, 128
     bias, perm = torch.randn(n), torch.randperm(k)
     if bits == 4:
         q, scales, offsets, _ = _int4_weight(n, k, group)

@@ -112,6 +112,8 @@ class LLMEngine:
 
     def close(self, worker_timeout_s: float = 10.0) -> None:
         """Stop the tensor-parallel workers (a no-op on one rank). The engine is unusable after."""
+        if self.workers is not None:
+            self.workers.expect_exit()   # before they are told to stop: a clean exit is not a death
         if self.tp is not None and self.failure is None:
             self.tp.broadcast(None)
             self.tp = None

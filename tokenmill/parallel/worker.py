@@ -124,8 +124,12 @@ class LocalWorkers:
                 time.sleep(poll_s)
         threading.Thread(target=loop, name="tokenmill-tp-monitor", daemon=True).start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def expect_exit(self) -> None:
+        """From now on a worker that exits is stopping, not dying (the monitor stays quiet)."""
         self._stopping = True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.expect_exit()
         deadline = time.monotonic() + timeout_s
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -14,6 +14,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace tokenmill::int_dot::amx {
@@ -203,7 +204,9 @@ int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N,
   // each group meets every strip of the run before the next group is read: x then streams from L2
   // once per run instead of once per strip (a tile product costs about as much as loading 1 KB of x
   // from L2).
-  const int64_t strip_bytes = TILE * K, run = std::max<int64_t>(1, L1_BUDGET / strip_bytes - 1);
+  const int64_t strip_bytes = TILE * K;
+  const int64_t run = std::clamp<int64_t>(std::min(L1_BUDGET / strip_bytes - 1, strips / at::get_num_threads()), 1,
+                                          strips);   // and at least one run per thread
   at::parallel_for(0, (strips + run - 1) / run, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     std::vector<uint8_t> scratch(BITS == 4 ? run * strip_bytes + 64 : 0);   // int4: the run's codes as bytes
@@ -223,6 +226,7 @@ int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N,
           tables[i].load(w, (s0 + i) * TILE);
         }
       }
+      asm volatile("" : : : "memory");   // gcc's tileloadd asm does not say it reads the unpacked codes
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t i = 0; i < count; ++i)
           strip<BITS>(w, codes[i], K, tables[i], xc, xscales.data(), xsums.data(), (s0 + i) * TILE, g, g * TILE,
