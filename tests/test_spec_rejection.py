@@ -249,6 +249,19 @@ def test_step_times_interpolate_and_batch_costs_grow_with_the_batch():
     assert best_k([0.8] * 3, one) == 3 and best_k([0.8] * 3, wide) == 0
 
 
+def test_noisy_probes_are_made_monotone_in_rows():
+    from tokenmill.spec.costs import monotone_in_rows
+    clean = {1: 0.040, 2: 0.041, 4: 0.044, 8: 0.080, 16: 0.160}
+    assert monotone_in_rows(clean) == clean                     # already non-decreasing: untouched
+    # 14 rows timed slower than 28 (a busy host): both take their mean, the rest stays
+    noisy = monotone_in_rows({7: 0.150, 14: 0.300, 28: 0.200, 56: 0.400})
+    assert noisy == pytest.approx({7: 0.150, 14: 0.250, 28: 0.250, 56: 0.400})
+    # a violation that spreads: the pooled mean is still above the next point, which joins too
+    assert monotone_in_rows({1: 0.5, 2: 0.1, 3: 0.2}) == pytest.approx({1: 0.8 / 3, 2: 0.8 / 3, 3: 0.8 / 3})
+    values = list(monotone_in_rows({r: (r * 37 % 11) / 10 for r in range(1, 30)}).values())
+    assert all(a <= b + 1e-12 for a, b in zip(values, values[1:]))
+
+
 def test_tracker_drafts_by_the_step_shape_and_stops_probing_where_drafts_cannot_pay():
     from tokenmill.spec.adaptive import AcceptanceTracker
     from tokenmill.spec.costs import MeasuredCosts

@@ -48,6 +48,23 @@ def seconds_at(measured: Mapping[int, float], rows: int) -> float:
     return max(0.0, s0 + (s1 - s0) * (rows - r0) / (r1 - r0))
 
 
+def monotone_in_rows(measured: Mapping[int, float]) -> dict[int, float]:
+    """The timings made non-decreasing in rows (pool adjacent violators, equal weights): a forward
+    over more rows never costs less, so a probe that says so was noise (seen on a busy host: 14
+    rows timed slower than 28, which mispriced every round between them) and is averaged with its
+    neighbours instead of bending the cost curve."""
+    rows = sorted(measured)
+    pools: list[list[float]] = []          # [sum, count] of consecutive row counts
+    for r in rows:
+        pools.append([measured[r], 1])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    flat = [total / count for total, count in pools for _ in range(int(count))]
+    return dict(zip(rows, flat))
+
+
 def round_costs(target_seconds: Mapping[int, float], draft_seconds: Mapping[int, float] | float, max_k: int,
                 batch: int = 1, other_rows: int = 0) -> list[float]:
     """costs[k], k = 0..max_k: a round in which `batch` decoding sequences take k drafts each (k

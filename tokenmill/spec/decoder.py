@@ -19,7 +19,8 @@ from tokenmill.engine.sampler import Sampler, gather_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence, TokenLogprobs
 from tokenmill.spec.adaptive import AcceptanceTracker
-from tokenmill.spec.costs import VERIFY_ROW_COST, MeasuredCosts, linear_costs, probe_rows, step_seconds
+from tokenmill.spec.costs import (VERIFY_ROW_COST, MeasuredCosts, linear_costs, monotone_in_rows, probe_rows,
+                                  step_seconds)
 from tokenmill.spec.config import SpeculativeConfig
 from tokenmill.spec.proposers import Proposer
 from tokenmill.spec.rejection import verify_drafts
@@ -117,7 +118,8 @@ class SpeculativeDecoder:
         target_s |= step_seconds(target, target_blocks, rows[k + 1:], repeats=1, max_model_len=self.max_model_len)
         batches = sorted({1, max_batch} | {b for b in (2, 4, 8) if b < max_batch})
         draft_s = self.proposer.step_seconds(batches) or {1: 0.0}
-        self.tracker.measured = MeasuredCosts(target_s, draft_s, k, widest=max_batch)
+        self.tracker.measured = MeasuredCosts(monotone_in_rows(target_s), monotone_in_rows(draft_s), k,
+                                              widest=max_batch)
         self.tracker.costs = self.tracker.measured.at(1)
         return self.tracker.costs
 
