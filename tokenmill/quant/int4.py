@@ -2,11 +2,10 @@
 
 Small M runs tokenmill's integer-dot kernel on x86 CPUs with AVX512-VNNI or AVX2 (int_dot.py), else
 torch's packed int4 CPU kernel. Both want the group size to divide K (SmolLM2's 576 with group
-128 runs as group 64, see below; the tiled path decodes the zero-padded K and multiplies the real
-columns), and act-order checkpoints
-get their input columns permuted once at load so groups are contiguous (x is permuted the same
-way per call). AWQ's scales are folded into the preceding layers by
-the calibration, so they never appear here.
+128 runs as group 64, see below; the tiled path decodes the zero-padded K and multiplies only the
+real columns), and act-order checkpoints get their input columns permuted once at load so groups
+are contiguous (x is permuted the same way per call). AWQ's scales are folded into the preceding
+layers by the calibration, so they never appear here.
 """
 from __future__ import annotations
 

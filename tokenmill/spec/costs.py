@@ -54,15 +54,14 @@ def monotone_in_rows(measured: Mapping[int, float]) -> dict[int, float]:
     rows timed slower than 28, which mispriced every round between them) and is averaged with its
     neighbours instead of bending the cost curve."""
     rows = sorted(measured)
-    pools: list[list[float]] = []          # [sum, count] of consecutive row counts
+    pools: list[tuple[float, int]] = []    # (sum, count) of consecutive row counts
     for r in rows:
-        pools.append([measured[r], 1])
-        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
-            total, count = pools.pop()
-            pools[-1][0] += total
-            pools[-1][1] += count
-    flat = [total / count for total, count in pools for _ in range(int(count))]
-    return dict(zip(rows, flat))
+        total, count = measured[r], 1
+        while pools and pools[-1][0] / pools[-1][1] > total / count:
+            t, c = pools.pop()
+            total, count = total + t, count + c
+        pools.append((total, count))
+    return dict(zip(rows, [total / count for total, count in pools for _ in range(count)]))
 
 
 def round_costs(target_seconds: Mapping[int, float], draft_seconds: Mapping[int, float] | float, max_k: int,

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace tokenmill::int_dot::amx {
@@ -192,14 +193,25 @@ inline void strip(const Weights& w, const uint8_t* strip_codes, int64_t stride, 
   for (int t = 0; t < mt; ++t) store16(out + (m0 + t) * N + n0, _mm512_add_ps(_mm512_mul_ps(res[t], row_scale), bias));
 }
 
+// An uninitialized buffer of n bytes (every byte is written before it is read) and its first
+// 64-byte-aligned address, for aligned tile and vector stores.
+struct AlignedBytes {
+  std::unique_ptr<uint8_t[]> storage;
+  uint8_t* data;
+  explicit AlignedBytes(int64_t n) : storage(new uint8_t[n + 64]) {
+    data = storage.get() + (64 - reinterpret_cast<uintptr_t>(storage.get()) % 64) % 64;
+  }
+};
+
 // The whole strips of y[M, N]; returns the first row n not written (N rounded down to 16).
 template <int BITS, typename Out>
 int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N, Out* out) {
   const int64_t K = w.K, nb = K / w.B, groups = (M + TILE - 1) / TILE, strips = N / TILE;
-  std::vector<uint8_t> xcodes(groups * (K / 64) * TILE_BYTES + 64);
-  std::vector<float> xscales(groups * nb * TILE), xsums(groups * nb * TILE);
-  uint8_t* xc = xcodes.data() + (64 - reinterpret_cast<uintptr_t>(xcodes.data()) % 64) % 64;
-  pack_x(a, M, K, nb, xc, xscales.data(), xsums.data());
+  // pack_x writes every element of these: no zero fill
+  const AlignedBytes xcodes(groups * (K / 64) * TILE_BYTES);
+  const std::unique_ptr<float[]> xscales(new float[groups * nb * TILE]), xsums(new float[groups * nb * TILE]);
+  uint8_t* xc = xcodes.data;
+  pack_x(a, M, K, nb, xc, xscales.get(), xsums.get());
   // Strips are walked in runs of `run` whose codes stay in L1 together with one activation group, and
   // each group meets every strip of the run before the next group is read: x then streams from L2
   // once per run instead of once per strip (a tile product costs about as much as loading 1 KB of x
@@ -209,8 +221,8 @@ int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N,
                                           strips);   // and at least one run per thread
   at::parallel_for(0, (strips + run - 1) / run, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    std::vector<uint8_t> scratch(BITS == 4 ? run * strip_bytes + 64 : 0);   // int4: the run's codes as bytes
-    uint8_t* unpacked = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+    const AlignedBytes scratch(BITS == 4 ? run * strip_bytes : 0);   // int4: the run's codes as bytes
+    uint8_t* unpacked = scratch.data;
     std::vector<StripTables> tables(run);
     std::vector<const uint8_t*> codes(run);
     for (int64_t p = begin; p < end; ++p) {
@@ -229,7 +241,7 @@ int64_t run_strips(const Weights& w, const Activations& a, int64_t M, int64_t N,
       asm volatile("" : : : "memory");   // gcc's tileloadd asm does not say it reads the unpacked codes
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t i = 0; i < count; ++i)
-          strip<BITS>(w, codes[i], K, tables[i], xc, xscales.data(), xsums.data(), (s0 + i) * TILE, g, g * TILE,
+          strip<BITS>(w, codes[i], K, tables[i], xc, xscales.get(), xsums.get(), (s0 + i) * TILE, g, g * TILE,
                       static_cast<int>(std::min<int64_t>(TILE, M - g * TILE)), N, out);
     }
     _tile_release();
