@@ -8,6 +8,8 @@ kernel, their tiled dequantize+GEMM (`tiled`, csrc/tiled_dequant_gemm.cpp) or th
 dequantize+GEMM path, and, where the CPU has VNNI/AMX, `torch._int_mm` (W8A8) and tokenmill's
 integer-dot kernel (`int_dot`, csrc/int_dot_linear.cpp: x quantized per block to int8); with
 AMX-INT8, `int_dot` is its VNNI half and `AMX` the same kernel on AMX tiles (csrc/int_dot_amx.h).
+With AMX-BF16 the tiled path multiplies bf16 x on AMX tiles from a few rows (csrc/tiled_amx.h);
+`whole` is the same path with that kernel off (whole-weight decode + one bf16 GEMM).
 
     .venv/bin/python benchmarks/quant_kernels.py --rows 1,8,32,64,128 --threads 2 [--act-dtype bfloat16]
 """
@@ -58,6 +60,8 @@ def main() -> None:
     has_int_dot = int_dot.int_dot_available()
     has_amx = has_int_dot and int_dot.int_dot_kernels().has_amx()
     amx_default = int_dot.int_dot_kernels().amx_min_rows() if has_amx else None
+    tiled_ext = tiled.tiled_kernels()
+    tiled_amx = act == torch.bfloat16 and tiled_ext is not None and hasattr(tiled_ext, "amx_min_rows")
     int_dot.ENABLED = False                 # these layers keep torch's weight-only kernels
     int8 = [Int8Linear.from_float(w, None) for w in weights]
     int4 = [Int4Linear(rtn_quantize(w, 4, 64), None) for w in weights]
@@ -72,7 +76,7 @@ def main() -> None:
               "int4 deq+mm", "nf4 kernel", "nf4 tiled",
               "nf4 deq+mm"] + (["W8A8 _int_mm"] if fast_int8 else []) + (
               ["int8 int_dot", "int4 int_dot"] if has_int_dot else []) + (
-              ["int8 AMX", "int4 AMX"] if has_amx else [])
+              ["int8 AMX", "int4 AMX"] if has_amx else []) + (["int8 whole", "int4 whole"] if tiled_amx else [])
     print(" | ".join(f"{h:>12s}" for h in header))
     for m_rows in (int(r) for r in args.rows.split(",")):
         xs = {dt: {k: torch.randn(m_rows, k).to(dt) for k in (576, 1536)} for dt in (torch.float32, torch.bfloat16)}
@@ -98,6 +102,13 @@ def main() -> None:
                 row.append(timed(lambda: [m(xs[act][m.in_features]) for m in mods]))
         if has_amx:
             dot.set_amx_min_rows(*amx_default)
+        if tiled_amx:   # the tiled path without its AMX kernel
+            default_rows = tiled_ext.amx_min_rows()
+            tiled_ext.set_amx_min_rows(10 ** 9)
+            for mods in (int8, int4):
+                kernels._OVERRIDE = 0
+                row.append(timed(lambda: [m(xs[act][m.in_features]) for m in mods]))
+            tiled_ext.set_amx_min_rows(default_rows)
         kernels._OVERRIDE = None
         print(" | ".join([f"{m_rows:>12d}"] + [f"{v:12.2f}" for v in row]), flush=True)
     print(f"ms per forward of all 30 layers' linears (median of 5); quantized paths fed {args.act_dtype}")

@@ -9,6 +9,7 @@ from tokenmill.quant.config import QuantConfig
 from tokenmill.quant.group import rtn_quantize
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
+from tokenmill.quant.nf4 import NF4Linear
 from tokenmill.quant import kernels
 
 
@@ -212,3 +213,44 @@ def test_tiled_bf16_tiles_match_fp32_tiles(bits):
     assert fp32.dtype == bf16.dtype == torch.bfloat16
     err = (bf16.float() - fp32.float()).abs().max() / fp32.float().abs().max()
     assert 0 < err < 2e-2
+
+
+@pytest.mark.parametrize("fmt,rows,k,group", [("int4", 33, 576, 128), ("int4", 100, 1536, 64), ("int4", 16, 576, 32),
+                                              ("int8", 48, 576, None), ("int8", 70, 1536, None),
+                                              ("nf4", 45, 576, 64)])
+def test_tiled_amx_strips_match_the_rounded_weight(fmt, rows, k, group):
+    """The tiled path's AMX kernel (CPUs with AMX-BF16, bf16 x: strips of 32 columns decoded to bf16
+    in the tile layout): against x @ (the dequantized weight rounded to bf16) in fp32, + bias, with
+    a partial last block of rows (33, 100, 16, 70, 45 rows) and K padded to the group (576 in 128s)."""
+    from tokenmill.quant import tiled
+    ext = tiled.tiled_kernels() if _tiled_available() else None
+    if ext is None or not hasattr(ext, "amx_min_rows"):
+        pytest.skip("built without the AMX-BF16 tiled kernel")
+    torch.manual_seed(6)
+    n = 96
+    w, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+    if fmt == "int4":
+        lin = Int4Linear(rtn_quantize(w, 4, group), None)
+        call = lambda x: ext.tiled_dequant_linear(x, lin.q4, lin.scales, lin.offsets, bias, 4, group, True)  # noqa: E731
+    elif fmt == "int8":
+        lin = Int8Linear.from_float(w, None)
+        call = lambda x: ext.tiled_dequant_linear(x, lin.qweight, lin.scale, None, bias, 8, k, True)  # noqa: E731
+    else:
+        lin = NF4Linear.from_float(w, None)
+        call = lambda x: ext.tiled_nf4_linear(x, lin.codes, lin._absmax(), lin.table, bias, 64, True)  # noqa: E731
+    ref_w = lin.dequantize()
+    x = torch.randn(rows, k).bfloat16()
+    ref = x.float() @ ref_w.bfloat16().float().T + bias
+    default = ext.amx_min_rows()
+    try:
+        ext.set_amx_min_rows(1)
+        got = call(x)
+        ext.set_amx_min_rows(10 ** 9)
+        whole = call(x)                      # the same path without the AMX kernel
+    finally:
+        ext.set_amx_min_rows(default)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    scale = ref.abs().max()
+    assert ((got.float() - ref).abs().max() / scale).item() < 1e-2        # one bf16 output rounding
+    assert ((got.float() - ref).abs().mean() / ref.abs().mean()).item() < 2.5e-3
+    assert ((got.float() - whole.float()).abs().max() / scale).item() < 1e-2

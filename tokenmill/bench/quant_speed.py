@@ -3,7 +3,8 @@ run. Variants are `label=MODEL[@METHOD]` as in `bench quality` (MODEL may be a d
 by `tokenmill quantize`). All engines stay loaded with the same KV budget, and each repeat
 measures every variant in a rotated order, so a noisy neighbour hits all of them alike:
 - batch-1 decode tok/s: 32-token prompt, `--decode-tokens` new tokens (time includes the prefill);
-- prefill tok/s: one `--prefill-tokens` prompt, 1 output token;
+- prefill tok/s: one `--prefill-tokens` prompt, 1 output token, the median of `--prefill-samples`
+  back-to-back prefills per repeat (one ~0.1 s prefill swung by 15 % between repeats alone);
 - offline output tok/s: ShareGPT requests all at once (`--offline-repeats` times, default 1:
   it is the long measurement);
 - weight bytes as stored.
@@ -31,6 +32,8 @@ def _log(msg: str) -> None:
 
 
 def run_quant_speed(args: argparse.Namespace) -> dict[str, Any]:
+    if args.prefill_samples < 1 or args.repeats < 1:
+        raise ValueError("--prefill-samples and --repeats must be >= 1")
     torch.set_num_threads(args.threads)
     print(machine_header(), flush=True)
     variants = parse_variants(args.variants, args.model)
@@ -55,7 +58,7 @@ def run_quant_speed(args: argparse.Namespace) -> dict[str, Any]:
         order = labels[rep % len(labels):] + labels[:rep % len(labels)]
         for label in order:
             d, _ = runners[label].decode(decode_prompt, args.decode_tokens)
-            p = runners[label].prefill(prefill_prompt)
+            p = statistics.median(runners[label].prefill(prefill_prompt) for _ in range(args.prefill_samples))
             decode[label].append(args.decode_tokens / d)
             prefill[label].append(len(prefill_prompt) / p)
             _log(f"repeat {rep + 1}: {label} decode {decode[label][-1]:.1f} tok/s, prefill {prefill[label][-1]:.1f} tok/s")
@@ -85,7 +88,8 @@ def run_quant_speed(args: argparse.Namespace) -> dict[str, Any]:
                      f"{r['prefill_tok_s'] / base['prefill_tok_s']:5.2f}x {off_s}")
     table = "\n".join(lines)
     print(f"\n{args.num_prompts} ShareGPT prompts ({output_tokens} output tokens), dtype {args.dtype}, "
-          f"{args.threads} threads; decode/prefill median of {args.repeats}, offline median of {args.offline_repeats}\n")
+          f"{args.threads} threads; decode/prefill median of {args.repeats} (prefill: each the median of "
+          f"{args.prefill_samples}), offline median of {args.offline_repeats}\n")
     print(table, flush=True)
     doc = {"benchmark": "quant-speed", "machine": machine_info(), "args": vars(args) | {"func": None},
            "rows": rows, "table": table}
@@ -105,6 +109,7 @@ def add_quant_speed_parser(sub: Any) -> None:
     p.add_argument("--offline-repeats", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--prefill-samples", type=int, default=5, help="prefills per repeat (their median counts)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     p.add_argument("--seed", type=int, default=0)

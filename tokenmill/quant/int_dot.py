@@ -91,7 +91,7 @@ class Int4DotWeights:
         if not _stack_can_run(ext, dtype):
             return None
         return ext.Linear.int4(self.codes, self.scales, self.offsets, self.bias, self.perm, self.block,
-                               int_dot_max_rows("int4"))
+                               int_dot_max_rows("int4", dtype))
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class Int8DotWeights:
         if not _stack_can_run(ext, dtype):
             return None
         return ext.Linear.int8(self.codes, self.row_scale, self.code_sums, self.bias, self.block,
-                               int_dot_max_rows("int8"))
+                               int_dot_max_rows("int8", dtype))
 
 
 def quantize_blocks_reference(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -48,6 +48,12 @@ _MAX_ROWS = {"avx2": {"int8": 12, "int4": 12, "nf4": 12},
 #     int4 36.58 / 39.32 at 192, 48.57 / 43.37 at 256.
 _INT_DOT_MAX_ROWS = {"avx512_vnni": {"int8": 64, "int4": 32}, "avx512_vnni+amx": {"int8": 24, "int4": 16},
                      "amx_int8": {"int8": 384, "int4": 192}, "avx2": {"int8": 12, "int4": 12}}
+# With AMX-BF16 the tiled path multiplies bf16 x on AMX tiles, decoding the weight 32 columns at a
+# time (csrc/tiled_amx.h), and takes over from far fewer rows for bf16 activations. All SmolLM2
+# linears on a 2-core Sapphire Rapids (benchmarks/quant_kernels.py, ms integer-dot AMX / tiled AMX):
+# int8 22.67 / 24.51 at 128, 32.63 / 31.48 at 192; int4 13.31 / 16.21 at 64, 20.52 / 19.16 at 96;
+# nf4 (its own kernel / tiled AMX) 9.60 / 10.64 at 4, 18.28 / 10.76 at 8.
+_BF16_AMX_TILED_MAX_ROWS = {"int8": 160, "int4": 80, "nf4": 4}
 _env = os.environ.get("TOKENMILL_QUANT_MAX_M_WEIGHT_ONLY")
 # read once: this runs for every quantized linear of every step
 _OVERRIDE: int | None = None if _env is None else int(_env)
@@ -59,10 +65,26 @@ def weight_only_max_rows(fmt: str) -> int:
     return _MAX_ROWS["avx512" if " avx512f" in cpu_flags() else "avx2"][fmt]
 
 
+@functools.cache
+def has_tiled_amx() -> bool:
+    """The tiled path was built with its AMX-BF16 kernel (csrc/tiled_amx.h)."""
+    from tokenmill.cpu_extension import kernel_family
+    mod = kernel_family("tiled_dequant_gemm")
+    return mod is not None and hasattr(mod, "amx_min_rows")
+
+
+def _row_limit(fmt: str, dtype: torch.dtype, limit: int) -> int:
+    """`limit`, lowered for bf16 x where the tiled path multiplies on AMX tiles."""
+    if _OVERRIDE is not None:
+        return _OVERRIDE
+    if dtype == torch.bfloat16 and has_tiled_amx():
+        return min(limit, _BF16_AMX_TILED_MAX_ROWS[fmt])
+    return limit
+
+
 def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
     """True when x [M, K] should go through `fmt`'s packed weight-only CPU kernel."""
-    limit = weight_only_max_rows(fmt) if _OVERRIDE is None else _OVERRIDE
-    return x.device.type == "cpu" and x.shape[0] <= limit
+    return x.device.type == "cpu" and x.shape[0] <= _row_limit(fmt, x.dtype, weight_only_max_rows(fmt))
 
 
 @functools.cache
@@ -77,15 +99,15 @@ def _int_dot_limits() -> dict[str, int]:
     return _INT_DOT_MAX_ROWS.get(isa, {"int8": 0, "int4": 0})
 
 
-def int_dot_max_rows(fmt: str) -> int:
-    """Rows M up to which `fmt` (int8 / int4) takes the integer-dot kernel (by the instruction
-    set it was built for)."""
-    return _int_dot_limits()[fmt] if _OVERRIDE is None else _OVERRIDE
+def int_dot_max_rows(fmt: str, dtype: torch.dtype) -> int:
+    """Rows M of `dtype` x up to which `fmt` (int8 / int4) takes the integer-dot kernel (by the
+    instruction set it was built for)."""
+    return _row_limit(fmt, dtype, _int_dot_limits()[fmt])
 
 
 def use_int_dot_kernel(x: torch.Tensor, fmt: str) -> bool:
     """True when x [M, K] should go through the integer-dot kernel (the layer checks it exists)."""
-    return x.device.type == "cpu" and x.shape[0] <= int_dot_max_rows(fmt)
+    return x.device.type == "cpu" and x.shape[0] <= int_dot_max_rows(fmt, x.dtype)
 
 
 @functools.cache

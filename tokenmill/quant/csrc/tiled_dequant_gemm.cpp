@@ -25,6 +25,15 @@
 #endif
 
 namespace tokenmill::tiled {
+enum class Format { INT4, INT8, NF4 };
+}  // namespace tokenmill::tiled
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TM_TILED_AMX 1
+#include "tiled_amx.h"
+#endif
+
+namespace tokenmill::tiled {
 
 namespace {
 
@@ -38,8 +47,6 @@ constexpr int64_t TILE_SCALE_BF16 = 2;
 constexpr int64_t WHOLE_WEIGHT_MIN_ROWS = 32;
 constexpr int64_t WHOLE_WEIGHT_MAX_BYTES = 64 << 20;
 constexpr int64_t TILE_BYTES = 384 * 1024;   // fp32 tile per thread: inside Zen 3's 512 KiB L2 (96-768 KiB measured: within noise)
-
-enum class Format { INT4, INT8, NF4 };
 
 // The NF4 code book as two 8-entry registers (codes 0-7 and 8-15).
 struct Table {
@@ -124,8 +131,15 @@ torch::Tensor tiled_linear(const torch::Tensor& x, const torch::Tensor& codes, c
   const int64_t M = x.size(0), Kx = x.size(1), N = codes.size(0);
   const bool bf16 = bf16_gemm && x.scalar_type() == torch::kBFloat16;
   const auto xc = (bf16 ? x : x.to(torch::kFloat32)).contiguous();
-  auto out = torch::empty({M, N}, xc.options());
   const uint8_t* c = static_cast<const uint8_t*>(codes.data_ptr());
+#ifdef TM_TILED_AMX
+  if (bf16 && amx::supports(xc, N)) {   // decode strip by strip into AMX tiles (tiled_amx.h)
+    const torch::Tensor b = bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
+    const __m512 table512 = _mm512_insertf32x8(_mm512_castps256_ps512(table.low), table.high, 1);
+    return amx::linear<F>(xc, c, scale, offset, table512, b.defined() ? b.data_ptr<float>() : nullptr, N, K, G);
+  }
+#endif
+  auto out = torch::empty({M, N}, xc.options());
   if (bf16 && M >= WHOLE_WEIGHT_MIN_ROWS && N * K * 2 <= WHOLE_WEIGHT_MAX_BYTES) {
     // many rows: decode the whole weight once (in parallel), then one multi-threaded GEMM
     const auto w = torch::empty({N, K}, xc.options());
@@ -207,6 +221,11 @@ inline void bind(pybind11::module_ m) {
         "integer weights (4/8-bit, per-group affine) x many activation rows, dequantized tile by tile (CPU, AVX2)");
   m.def("tiled_nf4_linear", &tiled_nf4_linear,
         "NF4 weights (block absmax) x many activation rows, dequantized tile by tile (CPU, AVX2)");
+#ifdef TM_TILED_AMX
+  // benchmarks move the AMX kernel's row threshold to compare it with the whole-weight decode + GEMM
+  m.def("amx_min_rows", [] { return amx::min_rows(); }, "rows from which bf16 x is multiplied on AMX tiles");
+  m.def("set_amx_min_rows", [](int64_t rows) { amx::min_rows() = rows; });
+#endif
 }
 
 }  // namespace tokenmill::tiled
