@@ -51,7 +51,23 @@ def test_decode_steps_match_the_eager_layers_bit_for_bit(dtype, quantization, ar
         pytest.fail("the decode stack did not compile on this CPU host")
     if quantization and not int_dot_available():
         pytest.skip("integer-dot kernels need AVX512-VNNI; quantized layers stay eager here")
+    _check_steps_bit_for_bit(_runner(dtype, quantization, arch))
+
+
+@pytest.mark.parametrize("dtype,quantization,arch", [c for c in CASES if c[1]])
+def test_wide_steps_hand_rows_to_the_tiled_path_inside_the_stack(dtype, quantization, arch, monkeypatch):
+    """Past the integer-dot kernel's rows (4 here) the quantized linears take the tiled path, in the
+    eager layers and in the stack alike, so a 12-row step stays in the stack with the same bits."""
+    from tokenmill.quant import kernels, tiled
+    if decode_stack_kernels() is None or not int_dot_available() or tiled.tiled_kernels() is None:
+        pytest.skip("needs the decode stack, the integer-dot and the tiled kernels")
+    monkeypatch.setattr(kernels, "_OVERRIDE", 4)
     runner = _runner(dtype, quantization, arch)
+    assert runner.model.decode_stack.max_rows > 12
+    _check_steps_bit_for_bit(runner)
+
+
+def _check_steps_bit_for_bit(runner: ModelRunner) -> None:
     model = runner.model
     assert model.decode_stack is not None
     counting = _Counting(model.decode_stack)

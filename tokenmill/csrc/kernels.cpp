@@ -10,12 +10,12 @@
 #include "../model/csrc/dense_small_m.cpp"
 #include "../model/csrc/paged_decode_attention.cpp"
 #include "../quant/csrc/int_dot_linear.cpp"
-#include "../model/csrc/decode_stack.cpp"
 // these two need AVX2 + FMA; without them the Python side finds no submodule and falls back
 #if defined(__AVX2__) && defined(__FMA__)
 #include "../quant/csrc/nf4_matmul.cpp"
 #include "../quant/csrc/tiled_dequant_gemm.cpp"
 #endif
+#include "../model/csrc/decode_stack.cpp"   // after the tiled path: its quantized linears call it past their rows
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   tokenmill::fused::bind(m.def_submodule("fused_layer_ops"));

@@ -18,7 +18,7 @@ from torch import nn
 from tokenmill.quant.group import GroupQuant
 from tokenmill.quant.int_dot import CHUNK, KERNEL_DTYPES, Int4DotWeights, int_dot_available
 from tokenmill.quant.kernels import use_int_dot_kernel, use_weight_only_kernel
-from tokenmill.quant.tiled import tiled_linear, tiled_supported
+from tokenmill.quant.tiled import stack_with_tiled, tiled_linear, tiled_supported, tiled_usable
 
 _KERNEL_GROUPS = (32, 64, 128, 256)
 
@@ -128,8 +128,11 @@ class Int4Linear(nn.Module):
         return xp
 
     def stack_linear(self, ext: ModuleType, dtype: torch.dtype):
-        """This layer's decode kernel for the C++ decode stack (model/decode_stack.py), or None."""
-        return None if self.int_dot is None else self.int_dot.stack_linear(ext, dtype)
+        """This layer's decode kernels for the C++ decode stack (model/decode_stack.py), or None."""
+        lin = None if self.int_dot is None else self.int_dot.stack_linear(ext, dtype)
+        if lin is None or not tiled_usable(self.k_padded, self.group_size):
+            return lin
+        return stack_with_tiled(lin, self.q4, self.scales, self.offsets, self.perm, 4, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int_dot is not None and use_int_dot_kernel(x, "int4") and x.dtype in KERNEL_DTYPES:

@@ -15,8 +15,9 @@ from torch import nn
 
 from tokenmill.model.cpu_kernels import dense_small_m_kernels
 from tokenmill.quant.int_dot import KERNEL_DTYPES, Int8DotWeights, int8_block, int_dot_available
-from tokenmill.quant.kernels import cpu_has_fast_int8_dot, use_int_dot_kernel, use_weight_only_kernel
-from tokenmill.quant.tiled import tiled_linear, tiled_supported
+from tokenmill.quant.kernels import (cpu_has_fast_int8_dot, int_dot_max_rows, use_int_dot_kernel,
+                                     use_weight_only_kernel, weight_only_rows)
+from tokenmill.quant.tiled import stack_with_tiled, tiled_linear, tiled_supported, tiled_usable
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +71,13 @@ class Int8Linear(nn.Module):
         (SmoothQuant's per-call smoothing stays on the eager path)."""
         if self.int_dot is None or self.smooth_inv is not None:
             return None
-        return self.int_dot.stack_linear(ext, dtype)
+        lin = self.int_dot.stack_linear(ext, dtype)
+        # past the integer-dot rows the eager layer runs the tiled path, unless torch's weight-only
+        # kernel still takes some of those rows
+        if (lin is None or not tiled_usable(self.in_features, self.in_features)
+                or weight_only_rows("int8", dtype) > int_dot_max_rows("int8", dtype)):
+            return lin
+        return stack_with_tiled(lin, self.qweight, self.scale, None, None, 8, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int_dot is not None and use_int_dot_kernel(x, "int8") and x.dtype in KERNEL_DTYPES:

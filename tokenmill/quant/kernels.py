@@ -82,9 +82,14 @@ def _row_limit(fmt: str, dtype: torch.dtype, limit: int) -> int:
     return limit
 
 
+def weight_only_rows(fmt: str, dtype: torch.dtype) -> int:
+    """Rows M of `dtype` x up to which `fmt` takes its weight-only CPU kernel."""
+    return _row_limit(fmt, dtype, weight_only_max_rows(fmt))
+
+
 def use_weight_only_kernel(x: torch.Tensor, fmt: str) -> bool:
     """True when x [M, K] should go through `fmt`'s packed weight-only CPU kernel."""
-    return x.device.type == "cpu" and x.shape[0] <= _row_limit(fmt, x.dtype, weight_only_max_rows(fmt))
+    return x.device.type == "cpu" and x.shape[0] <= weight_only_rows(fmt, x.dtype)
 
 
 @functools.cache

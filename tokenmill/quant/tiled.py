@@ -22,9 +22,22 @@ def tiled_kernels() -> ModuleType | None:
     return kernel_family("tiled_dequant_gemm")
 
 
+def tiled_usable(k: int, group_size: int) -> bool:
+    """A CPU weight of K = k columns in groups of group_size can take the tiled path."""
+    return _ENABLED and group_size % 32 == 0 and k % group_size == 0 and tiled_kernels() is not None
+
+
 def tiled_supported(x: torch.Tensor, k: int, group_size: int) -> bool:
-    return (_ENABLED and x.device.type == "cpu" and group_size % 32 == 0 and k % group_size == 0
-            and tiled_kernels() is not None)
+    return x.device.type == "cpu" and tiled_usable(k, group_size)
+
+
+def stack_with_tiled(lin, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                     perm: torch.Tensor | None, bits: int, group_size: int):
+    """A decode-stack integer-dot linear (model/decode_stack.py) that hands the rows past its own to
+    the tiled path, as the eager layer does, so wide decode batches stay in the stack."""
+    if lin is None or not hasattr(lin, "with_tiled"):
+        return lin
+    return lin.with_tiled(codes, scale, offset, perm, bits, group_size, cpu_has_fast_bf16_dot())
 
 
 def tiled_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,

@@ -8,7 +8,8 @@
 // server's HTTP side can work during a step.
 //
 // A layer's linears are `Linear` objects built once from each module's own tensors: dense
-// (at::linear, any dtype) or, on AVX512-VNNI / AVX2 CPUs, the integer-dot int4 / int8 kernels.
+// (at::linear, any dtype) or, on AVX512-VNNI / AVX2 CPUs, the integer-dot int4 / int8 kernels,
+// which past their row limit hand over to the tiled dequantize + GEMM as the eager layers do.
 #include <torch/extension.h>
 
 #include <limits>
@@ -32,9 +33,43 @@ struct Linear {
   std::optional<torch::Tensor> bias, perm;
   int64_t block = 0;
   bool small_m = false;   // dense fp32: tokenmill::dense::small_m_linear up to its row limit
-  int64_t max_rows = std::numeric_limits<int64_t>::max();   // rows this kernel is chosen for
+  int64_t max_rows = std::numeric_limits<int64_t>::max();   // rows this linear takes
+#ifdef TM_HAVE_TILED
+  // Rows past `int_dot_rows` take the tiled dequantize + GEMM on the layer's row-major codes, the
+  // same call with the same tensors as the eager layer makes there (quant/int4.py, quant/int8.py).
+  struct Tiled {
+    torch::Tensor codes, scale;
+    std::optional<torch::Tensor> offset, perm;
+    int64_t bits = 0, group = 0;
+    bool bf16_gemm = false;
+  };
+  std::optional<Tiled> tiled;
+  int64_t int_dot_rows = 0;
+
+  torch::Tensor tiled_forward(const torch::Tensor& x) const {
+    const torch::Tensor xp = tiled->perm ? x.index_select(1, *tiled->perm) : x;
+    const torch::Tensor y = tokenmill::tiled::tiled_dequant_linear(xp, tiled->codes, tiled->scale, tiled->offset,
+                                                                   std::nullopt, tiled->bits, tiled->group,
+                                                                   tiled->bf16_gemm);
+    return bias.has_value() ? y + bias->to(y.scalar_type()) : y;
+  }
+
+  // This integer-dot linear, taking any number of rows: the tiled path past its own.
+  Linear with_tiled(torch::Tensor codes, torch::Tensor scale, std::optional<torch::Tensor> offset,
+                    std::optional<torch::Tensor> perm, int64_t bits, int64_t group, bool bf16_gemm) const {
+    TORCH_CHECK(kind != Kind::Dense, "only integer-dot linears hand rows over to the tiled path");
+    Linear l = *this;
+    l.tiled = Tiled{codes, scale, offset, perm, bits, group, bf16_gemm};
+    l.int_dot_rows = max_rows;
+    l.max_rows = std::numeric_limits<int64_t>::max();
+    return l;
+  }
+#endif
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+#ifdef TM_HAVE_TILED
+    if (tiled.has_value() && x.size(0) > int_dot_rows) return tiled_forward(x);
+#endif
     switch (kind) {
 #ifdef TM_HAVE_INT_DOT
       case Kind::Int4:
@@ -146,6 +181,10 @@ inline void bind(pybind11::module_ m) {
                   py::arg("perm"), py::arg("block"), py::arg("max_rows"))
       .def_static("int8", &Linear::int8, py::arg("codes"), py::arg("row_scale"), py::arg("code_sums"),
                   py::arg("bias"), py::arg("block"), py::arg("max_rows"))
+#endif
+#ifdef TM_HAVE_TILED
+      .def("with_tiled", &Linear::with_tiled, py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("perm"),
+           py::arg("bits"), py::arg("group"), py::arg("bf16_gemm"))
 #endif
       .def_readonly("max_rows", &Linear::max_rows);
   py::class_<Layer>(m, "Layer")

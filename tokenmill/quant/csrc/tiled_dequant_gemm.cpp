@@ -24,6 +24,8 @@
 #error "tiled_dequant_gemm needs AVX2 and FMA; the Python side falls back to dequantize + matmul"
 #endif
 
+#define TM_HAVE_TILED 1   // the decode stack (model/csrc/decode_stack.cpp) calls tiled_dequant_linear
+
 namespace tokenmill::tiled {
 enum class Format { INT4, INT8, NF4 };
 }  // namespace tokenmill::tiled
