@@ -92,13 +92,10 @@ def _search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int, gs: int, n_gr
 
 
 def awq_quantize(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int = 128,
-                 search_scale: bool = True, n_grid: int = 20, clip: bool = True, unclipped_rows: int = 0
+                 search_scale: bool = True, n_grid: int = 20, clip: bool = True
                  ) -> tuple[GroupQuant, torch.Tensor]:
     """weight [N, K], x [S, K] calibration inputs of this layer (each row counts equally).
-    Returns (GroupQuant of W·diag(s), s [K] > 0); s is all ones when search_scale is False.
-    The first `unclipped_rows` output rows keep their full range (AWQ leaves the query and key
-    projections unclipped: their error passes through the softmax, which the search's linear
-    output error does not see)."""
+    Returns (GroupQuant of W·diag(s), s [K] > 0); s is all ones when search_scale is False."""
     w = weight.detach().float()
     x = x.detach().reshape(-1, w.shape[1]).float()
     # Every calibration token weighs the same: on raw rows the squared error is dominated by the
@@ -109,7 +106,5 @@ def awq_quantize(weight: torch.Tensor, x: torch.Tensor, bits: int = 4, group_siz
     gs = w.shape[1] if group_size == -1 else min(group_size, w.shape[1])
     s = _search_scale(w, x, bits, gs, n_grid) if search_scale else torch.ones(w.shape[1])
     ws, xs = w * s, x / s
-    lo, hi = _ranges(ws, gs)
-    if clip and unclipped_rows < w.shape[0]:
-        lo[unclipped_rows:], hi[unclipped_rows:] = _search_clip(ws[unclipped_rows:], xs, bits, gs)
+    lo, hi = _search_clip(ws, xs, bits, gs) if clip else _ranges(ws, gs)
     return quantize_ranges(ws, lo, hi, bits, gs), s

@@ -125,12 +125,6 @@ class _Stats:
         return torch.cat(self.samples)[: self.max_rows]
 
 
-def _query_key_rows(layer: nn.Module) -> int:
-    """Rows of the fused qkv projection that hold the query and key outputs (AWQ does not clip them)."""
-    attn = layer.self_attn
-    return (attn.num_heads + attn.num_kv_heads) * attn.head_dim
-
-
 def _fp16_scales(gq: GroupQuant) -> GroupQuant:
     gq.scales = gq.scales.half().float()
     return gq
@@ -205,8 +199,7 @@ class _Calibrator:
             gq = gptq_quantize(w, st.hessian.hessian(), 4, gs, qcfg.damp_percent, GPTQ_BLOCK, qcfg.act_order)
             return Int4Linear(_fp16_scales(gq), bias)
         if qcfg.method == "awq":
-            gq, _ = awq_quantize(w, st.x(), 4, gs, search_scale=False, clip=True,
-                                 unclipped_rows=_query_key_rows(layer) if name == "self_attn.qkv_proj" else 0)
+            gq, _ = awq_quantize(w, st.x(), 4, gs, search_scale=False, clip=True)
             return Int4Linear(_fp16_scales(gq), bias)
         # smoothquant
         s = smoothquant_scales(st.absmax, w, qcfg.alpha)
