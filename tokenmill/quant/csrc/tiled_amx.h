@@ -147,7 +147,7 @@ torch::Tensor linear(const torch::Tensor& x, const uint8_t* codes, const float* 
   const bool unscaled = F == Format::INT8 && G == K && offset == nullptr;   // one scale per column
   auto out = torch::empty({M, N}, xc.options());
   const auto* xp = xc.data_ptr<at::BFloat16>();
-  const int64_t full = M / BLOCK_ROWS * BLOCK_ROWS;
+  const int64_t full = M / BLOCK_ROWS * BLOCK_ROWS, blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
   // the last partial block of rows, zero-padded to 32 once for all strips
   const AlignedBytes tail(M > full ? BLOCK_ROWS * Kx * 2 : 0);
   if (M > full) {
@@ -163,7 +163,7 @@ torch::Tensor linear(const torch::Tensor& x, const uint8_t* codes, const float* 
       else decode_panel<F, false>(codes, scale, offset, table, n0, K, Kx, G, panel.data);
       asm volatile("" : : : "memory");   // gcc's tileloadd asm does not say it reads the panel
       // the next strip's codes into L2 while this one multiplies, a share per block of rows
-      const int64_t lines = s + 1 < end ? STRIP * row_bytes / 64 : 0, blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
+      const int64_t lines = s + 1 < end ? STRIP * row_bytes / 64 : 0;
       const uint8_t* next = codes + (n0 + STRIP) * row_bytes;
       for (int64_t b = 0, i = 0; b < blocks; ++b) {
         for (const int64_t stop = std::min(lines, i + (lines + blocks - 1) / blocks); i < stop; ++i)

@@ -42,8 +42,8 @@ namespace {
 // bf16 tiles: twice the rows (measured 58 vs 71 ms at M=32, SmolLM2 stack, EPYC avx512_bf16; on a
 // Sapphire Rapids, tiles decoded straight to bf16: 29-32 ms at M=32 with 2x, 31-33 with 4x, 37-41 with 8x)
 constexpr int64_t TILE_SCALE_BF16 = 2;
-// From this many rows of bf16 x the whole weight (up to a size: a 152k-row quantized lm_head
-// would need 0.5 GB) is decoded to bf16 first and multiplied in one multi-threaded GEMM: the
+// Without the AMX kernel (tiled_amx.h; e.g. avx512_bf16 CPUs without AMX), from this many rows of
+// bf16 x the whole weight (up to a size: a 152k-row quantized lm_head would need 0.5 GB) is decoded to bf16 first and multiplied in one multi-threaded GEMM: the
 // per-tile single-threaded GEMM calls cost more than the transient buffer. SmolLM2's linears on a
 // Sapphire Rapids, int4, ms tiled -> whole: 29.2 -> 24.7 at M=32, 33.6 -> 30.8 at 64, 85.3 -> 69.1 at 512.
 constexpr int64_t WHOLE_WEIGHT_MIN_ROWS = 32;
